@@ -1,0 +1,1 @@
+"""nanogpt-pl: the NanoGPT speedrun recipe as a PyTorch Lightning project."""
