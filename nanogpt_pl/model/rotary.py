@@ -1,0 +1,82 @@
+"""Rotary position embeddings with truncated frequencies and YaRN window extension.
+
+RECORD.md §2 "RoPE / YaRN": the first ``rot_dim`` (at most 64) dims of a head rotate
+on interleaved pairs with angular frequencies (1/1024)^(i/(rot_dim/2 - 1)); the rest
+of the head is stationary (frequency 0). When the attention window grows from
+``w_old`` to ``w_new`` tokens, YaRN rescales the low frequencies and raises the
+attention scale; both live in buffers so checkpoints carry them.
+
+Positions are counted from the start of each document. Attention never crosses a
+document boundary and RoPE only depends on i - j, so this equals packed positions
+while keeping the angles small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+ROT_DIM_MAX = 64  # RECORD §2: rot_dim = 64 (all of a 64-dim head, half of a 128-dim head)
+BASE_FREQ = 1 / 1024  # RECORD §2: ω_i = (1/1024)^(i/31)
+YARN_SCALE_SLOPE = 0.2  # RECORD §2: attn_scale *= 1 + 0.2·ln(w_new / w_old)
+# RECORD §2: γ = clamp((r - 1) / 31, 0, 1): frequencies with under one turn per old window are
+# fully stretched, those with 32 or more turns kept (YaRN's alpha = 1, beta = 32).
+YARN_ALPHA = 1.0
+YARN_BETA = 32.0
+
+
+class Rotary(nn.Module):
+    """Rotary embedding of one attention "chain" (layers sharing windows and YaRN state).
+
+    Args:
+        head_dim: per-head query/key size.
+        attn_scale: the softmax scale before any YaRN change.
+    """
+
+    def __init__(self, head_dim: int, attn_scale: float) -> None:
+        super().__init__()
+        rot_dim = min(head_dim, ROT_DIM_MAX)
+        if rot_dim % 2:
+            raise ValueError(f"head_dim {head_dim} must be even for rotary embeddings")
+        pairs = rot_dim // 2
+        exponent = torch.arange(pairs, dtype=torch.float64) / max(1, pairs - 1)
+        omega = BASE_FREQ**exponent
+        omega = torch.cat([omega, omega.new_zeros(head_dim // 2 - pairs)])
+        self.head_dim = head_dim
+        self.rot_pairs = pairs
+        self.register_buffer("omega", omega, persistent=True)  # [head_dim // 2], fp64
+        # a Python float (a GPU scalar would force a sync every forward); saved via extra state
+        self.attn_scale = float(attn_scale)
+
+    @torch.no_grad()
+    def apply_yarn(self, old_window: int, new_window: int) -> None:
+        """Stretch the slow frequencies for a window grown from ``old_window`` to ``new_window``."""
+        if new_window == old_window:
+            return
+        s = old_window / new_window
+        r = old_window * self.omega / (2 * math.pi)
+        gamma = ((r - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+        self.omega.mul_(s + gamma * (1 - s))
+        self.attn_scale *= 1 + YARN_SCALE_SLOPE * math.log(new_window / old_window)
+
+    def get_extra_state(self) -> dict:
+        return {"attn_scale": self.attn_scale}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.attn_scale = float(state["attn_scale"])
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin tables [N, head_dim // 2] for integer ``positions`` [N]."""
+        theta = positions.to(torch.float64)[:, None] * self.omega[None, :]
+        return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs of ``x`` [N, H, head_dim] by angles with cos/sin [N, head_dim // 2]."""
+    x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    y_even = x_even * cos + x_odd * sin
+    y_odd = x_odd * cos - x_even * sin
+    return torch.stack((y_even, y_odd), dim=-1).flatten(-2)

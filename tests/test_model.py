@@ -1,0 +1,166 @@
+"""The GPT and its attention kernels on CPU."""
+
+import math
+
+import pytest
+import torch
+
+from nanogpt_pl.model.attention import attention_sdpa, dense_reference, resolve_backend, segment_positions
+from nanogpt_pl.model.gpt import GPT, GPTConfig
+from nanogpt_pl.model.rotary import Rotary, apply_rotary
+
+
+def tiny_config(**kw) -> GPTConfig:
+    base = dict(vocab_size=384, num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=96,
+                long_window_layers=[3], value_embed_layers=[1, 2], skip_from=1, skip_to=3)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def random_cu(n: int, gen: torch.Generator, pad: int = 2) -> torch.Tensor:
+    cuts = torch.randperm(n - 1, generator=gen)[: max(1, n // 17)] + 1
+    cu = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([n] * (pad + 1))])
+    return cu.to(torch.int32)
+
+
+@pytest.mark.parametrize("seed", [11, 23, 97])
+@pytest.mark.parametrize("window", [1, 7, 40, 1000])
+def test_sdpa_matches_float64_reference(seed, window):
+    gen = torch.Generator().manual_seed(seed)
+    n, h, d = 96, 3, 16
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    cu = random_cu(n, gen)
+    out = attention_sdpa(q, k, v, cu, window, 0.3)
+    ref = dense_reference(q, k, v, cu, window, 0.3)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_never_crosses_documents():
+    gen = torch.Generator().manual_seed(5)
+    n, h, d = 64, 2, 8
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 20, 45, 64, 64], dtype=torch.int32)
+    base = attention_sdpa(q, k, v, cu, 100, 0.5)
+    v2 = v.clone()
+    v2[20:45] += 100 * torch.randn(25, h, d, generator=gen)  # change only document 1
+    out = attention_sdpa(q, k, v2, cu, 100, 0.5)
+    assert torch.allclose(out[:20], base[:20]) and torch.allclose(out[45:], base[45:])
+    assert not torch.allclose(out[20:45], base[20:45])
+
+
+def test_segment_positions_restart_at_each_document():
+    cu = torch.tensor([0, 3, 7, 10, 10], dtype=torch.int32)
+    assert segment_positions(cu, 10).tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
+
+
+def test_rotary_is_relative_and_norm_preserving():
+    gen = torch.Generator().manual_seed(3)
+    rot = Rotary(64, 0.12)
+    q, k = torch.randn(2, 1, 1, 64, generator=gen, dtype=torch.float64).unbind(0)
+    def score(i, j):
+        ci, si = rot.cos_sin(torch.tensor([i]), torch.float64)
+        cj, sj = rot.cos_sin(torch.tensor([j]), torch.float64)
+        return (apply_rotary(q, ci, si) * apply_rotary(k, cj, sj)).sum()
+    assert torch.allclose(score(10, 3), score(107, 100))
+    c, s = rot.cos_sin(torch.tensor([1234]), torch.float64)
+    assert torch.allclose(apply_rotary(q, c, s).norm(), q.norm())
+
+
+def test_yarn_matches_record_scale_chain():
+    # RECORD §2: narrow chain 128 → 384 → 640 → 768 takes the scale 0.13 → ≈0.1811
+    rot = Rotary(64, 0.13)
+    omega0 = rot.omega.clone()
+    for old, new in [(128, 384), (384, 640), (640, 768)]:
+        rot.apply_yarn(old, new)
+    assert abs(rot.attn_scale - 0.1811) < 5e-4
+    # fast frequencies (many turns per window) are stretched less than slow ones, which are
+    # stretched by the full window ratio
+    assert rot.omega[0] / omega0[0] > rot.omega[-1] / omega0[-1]
+    assert math.isclose(rot.omega[-1].item(), omega0[-1].item() * 128 / 768, rel_tol=1e-9)
+    state = rot.state_dict()
+    fresh = Rotary(64, 0.13)
+    fresh.load_state_dict(state)
+    assert fresh.attn_scale == rot.attn_scale and torch.equal(fresh.omega, rot.omega)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_gpt_forward_backward_and_identity_at_init(seed):
+    torch.manual_seed(seed)
+    cfg = tiny_config()
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (80,), generator=gen)
+    cu = random_cu(80, gen)
+    h = model(ids, cu, 80, (8, 32))
+    assert h.shape == (80, cfg.model_dim) and torch.isfinite(h).all()
+    # zero-initialized output projections: every block is the identity on x at step 0, so the
+    # final state is norm(x0 + sum of x0-lambdas·x0) = norm(x0) (x0-lambdas start at 0).
+    x0 = model._embed(ids.long())
+    assert torch.allclose(h, torch.nn.functional.rms_norm(x0, (cfg.model_dim,)), atol=1e-5)
+    logits = h @ model.lm_head.t()
+    loss = torch.nn.functional.cross_entropy(logits, ids.roll(-1))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_documents_are_independent_in_the_full_model():
+    torch.manual_seed(0)
+    cfg = tiny_config(smear=False)
+    model = GPT(cfg)
+    for p in model.parameters():  # leave the zero-init state so attention matters
+        p.data.add_(0.05 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (60,), generator=gen)
+    cu = torch.tensor([0, 25, 60, 60], dtype=torch.int32)
+    a = model(ids, cu, 35, (64, 64))
+    ids2 = ids.clone()
+    ids2[:25] = torch.randint(0, cfg.vocab_size, (25,), generator=gen)
+    b = model(ids2, cu, 35, (64, 64))
+    assert torch.allclose(a[25:], b[25:], atol=1e-5)
+    assert not torch.allclose(a[:25], b[:25])
+
+
+def test_param_roles_cover_every_parameter_once():
+    model = GPT(tiny_config())
+    roles = model.param_roles()
+    ids = [id(p) for ps in roles.values() for p in ps]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert all(p.ndim >= 2 for p in roles["matrices"])
+
+
+def test_tied_embedding_and_untie():
+    model = GPT(tiny_config(tie_embed=True))
+    assert model.embedding_weight() is model.lm_head
+    model.untie()
+    assert model.embed is not None and torch.equal(model.embed, model.lm_head)
+    assert model.embed.data_ptr() != model.lm_head.data_ptr()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("attention_layers", [0, 9], "outside"),
+    ("value_embed_layers", [2], "have no attention"),
+    ("skip_from", 3, "earlier layer"),
+])
+def test_config_errors_name_the_option(field, value, match):
+    kw = {field: value}
+    if field == "value_embed_layers":
+        kw["attention_layers"] = [0, 1]
+    if field == "skip_from":
+        kw["skip_to"] = 2
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**kw)
+
+
+def test_gpu_only_attention_backend_on_cpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="attention_backend='varlen' needs a CUDA GPU"):
+        resolve_backend("varlen", torch.device("cpu"))
+    with pytest.raises(ValueError, match="choose one of"):
+        resolve_backend("fa3", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+
+
+def test_flops_per_token_counts_the_head_and_layers():
+    cfg = GPTConfig()
+    f = cfg.flops_per_token(49152, 640, 1408)
+    # 6·(matmul params) plus attention; the lm_head alone is 6·768·50304 ≈ 0.23 GFLOP
+    assert 6 * 768 * 50304 < f < 3e9
