@@ -167,6 +167,16 @@ class Schedule:
     def max_doc_len(self, step: int) -> int:
         return self.stage(step).max_doc_len
 
+    def tokens_through(self, step: int) -> int:
+        """Global training tokens consumed by steps 0..step (0 for step < 0)."""
+        total = 0
+        for i, st in enumerate(self.stages):
+            start = self.stage_start(i)
+            if step < start:
+                break
+            total += st.batch_tokens * (min(step, start + st.steps - 1) - start + 1)
+        return total
+
     def grad_accum(self, step: int, world_size: int) -> int:
         """Micro-batches per rank at ``step``; raises if the batch does not split evenly."""
         st = self.stage(step)
