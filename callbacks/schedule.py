@@ -1,0 +1,33 @@
+"""Applies the stage table (``nanogpt_pl.schedule.Schedule``) to the module every step.
+
+Before each training step it sets the lr multiplier, the ANVIL momentum, the attention
+windows (stretching the rotary frequencies with YaRN where a window grows, RECORD §2),
+the sampled-softmax candidate count, multi-token and prefix-loss weights, and which
+optimizer parts update this step (RECORD §5 cadences). Everything is a pure function
+of ``trainer.global_step``, so a resumed run applies exactly what the straight run
+would have. The data loader reads the same schedule for batch size and sequence length.
+
+``SpeedrunModule.configure_callbacks`` adds this callback to every run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+
+class ScheduleCallback(L.Callback):
+    """Sets the step's schedule values through the module's public hooks."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.global_step
+        sched = pl_module.schedule
+        pl_module.set_lr_scale(sched.lr_mul(step))
+        pl_module.set_momentum(sched.momentum(step))
+        short, long = sched.windows(step)
+        prev = sched.windows(step - 1) if step > 0 else (short, long)
+        pl_module.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
+        pl_module.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
+        pl_module.set_active_parts(pl_module.active_parts_for(step))

@@ -1,0 +1,58 @@
+"""Command line: LightningCLI for training, plus ``data`` sub-commands.
+
+    python main.py fit --config configs/quickstart.yaml
+    python main.py fit --config configs/speedrun.yaml --trainer.devices 8
+    nanogpt-pl fit --config configs/speedrun_1gpu.yaml --trainer.max_steps 50
+    nanogpt-pl data prepare|fineweb|tokenizer|corpus ...
+
+The top-level ``schedule:`` section is the stage table; it is handed to both the
+module (``model.schedule``) and the data module (``data.schedule``), so batch shapes
+and per-step settings come from one object.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from .data.datamodule import SpeedrunDataModule
+from .distributed.strategy import SpeedrunStrategy  # noqa: F401  (registers trainer.strategy: speedrun)
+from .module import SpeedrunModule
+from .schedule import Schedule
+
+
+class SpeedrunCLI(LightningCLI):
+    """LightningCLI with the shared top-level ``schedule`` section."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(Schedule, "schedule", fail_untyped=False)
+        parser.link_arguments("schedule", "model.schedule", apply_on="instantiate")
+        parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
+
+
+def cli_main(args: Optional[list[str]] = None, run: bool = True) -> SpeedrunCLI:
+    """Build (and by default run) the training CLI; ``args`` defaults to ``sys.argv[1:]``."""
+    return SpeedrunCLI(
+        SpeedrunModule,
+        SpeedrunDataModule,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``nanogpt-pl`` and ``main.py``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "data":
+        from .data.commands import main as data_main
+
+        return data_main(argv[1:])
+    cli_main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""SpeedrunModule: the GPT, its loss and its optimizers under manual optimization.
+
+One training step (``shared/DESIGN.md`` "Data flow"): the schedule callback has set
+this step's lr, momentum, windows, loss options and which optimizer parts update;
+``training_step`` runs forward and backward over the step's micro-batches (gradient
+accumulation when the batch does not fit one pass per rank), then steps the
+:class:`~nanogpt_pl.optim.combined.CombinedOptimizer`, whose parts communicate their
+own gradients (there is no DDP wrapper). Validation is always the full-vocabulary
+softcapped cross-entropy.
+
+Callbacks change behaviour over time only through the small public hooks in the
+"schedule hooks" section below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from .model.gpt import GPT, GPTConfig
+from .ops.cross_entropy import CandidateSampler, full_cross_entropy, lm_head_loss
+from .optim.adam import DistAdam
+from .optim.combined import CombinedOptimizer
+from .schedule import Schedule
+
+
+@dataclass
+class AdamGroup:
+    """Adam settings of one parameter family (RECORD §8's table).
+
+    Args:
+        lr_mul: multiplier on ``optim.adam_lr``.
+        betas: Adam's (beta1, beta2).
+        wd_mul: multiplier on ``optim.adam_weight_decay``.
+    """
+
+    lr_mul: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    wd_mul: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    """Optimizers of the run; YAML keys under ``model.optim``.
+
+    Args:
+        matrix_optimizer: ``anvil`` (ANVIL II, RECORD §8) or ``adamw`` for the hidden matrices.
+        matrix_lr: base lr of the hidden matrices (ANVIL: 0.023; AdamW wants about 1e-3..4e-3).
+        matrix_betas: AdamW betas when ``matrix_optimizer`` is ``adamw``.
+        matrix_weight_decay: decay of the hidden matrices (ANVIL: 2.25, RECORD §8).
+        adam_lr: base lr of the Adam families (RECORD §8: 0.008).
+        adam_eps: Adam's epsilon (RECORD §8: 1e-10).
+        adam_weight_decay: decay per unit lr of the Adam families, times each family's wd_mul.
+        cautious_wd: decay only where the update and the weight agree in sign.
+        embed: settings of the token embedding.
+        lm_head: settings of the lm_head.
+        value_embeds: settings of the value-embedding tables.
+        scalars: settings of the scalar gates and lambdas.
+    """
+
+    matrix_optimizer: str = "anvil"
+    matrix_lr: float = 0.023
+    matrix_betas: tuple[float, float] = (0.9, 0.95)
+    matrix_weight_decay: float = 2.25
+    adam_lr: float = 0.008
+    adam_eps: float = 1e-10
+    adam_weight_decay: float = 0.005
+    cautious_wd: bool = True
+    embed: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
+    lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
+    value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.75, 0.95), 5.0))
+    scalars: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.99), 0.0))
+
+    def __post_init__(self) -> None:
+        if self.matrix_optimizer not in ("anvil", "adamw"):
+            raise ValueError(f"model.optim.matrix_optimizer={self.matrix_optimizer!r}: choose 'anvil' or 'adamw'")
+
+
+@dataclass
+class StepSettings:
+    """What the schedule decided for the current step (set through the module's hooks)."""
+
+    windows: tuple[int, int] = (128, 384)
+    candidates: Optional[int] = None
+    mtp_weights: tuple[float, ...] = (1.0,)
+    prefix_weight: float = 0.0
+    active_parts: Optional[tuple[str, ...]] = None
+
+
+class SpeedrunModule(L.LightningModule):
+    """The speedrun GPT trained with manual optimization.
+
+    Args:
+        gpt: the model's shape and techniques.
+        optim: the optimizers.
+        schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
+        compile: compile the model's forward with ``torch.compile``.
+        loss_backend: ``auto``, ``reference`` or ``triton`` for the training loss kernel.
+        param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
+            or ``float32``. Scalars always stay fp32.
+    """
+
+    def __init__(
+        self,
+        gpt: GPTConfig = GPTConfig(),
+        optim: OptimConfig = OptimConfig(),
+        schedule: Optional[Schedule] = None,
+        compile: bool = False,
+        loss_backend: str = "auto",
+        param_dtype: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_hyperparameters(ignore=["schedule"])
+        self.gpt_config = gpt
+        self.optim_config = optim
+        self.schedule = schedule if schedule is not None else Schedule()
+        self.compile = compile
+        self.loss_backend = loss_backend
+        if param_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
+        self.param_dtype = param_dtype
+        self.model = GPT(gpt)
+        self.settings = StepSettings(windows=self.schedule.windows(0))
+        self.sampler: Optional[CandidateSampler] = None
+        self._forward = self.model
+
+    # -- setup ---------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        device = self.trainer.strategy.root_device
+        self._check_device_options(device)
+        dtype = torch.bfloat16 if (self.param_dtype == "bfloat16" or
+                                   (self.param_dtype == "auto" and device.type == "cuda")) else torch.float32
+        roles = self.model.param_roles()
+        for name in ("matrices", "embed", "lm_head", "value_embeds"):
+            for p in roles[name]:
+                p.data = p.data.to(dtype)
+        self.sampler = CandidateSampler(
+            vocab_size=self.gpt_config.vocab_size, rank=self.global_rank, world_size=self.trainer.world_size
+        )
+        if self.compile:
+            self._forward = torch.compile(self.model, dynamic=False)
+
+    def _check_device_options(self, device: torch.device) -> None:
+        """Reject options this device cannot run, naming the option and the fix."""
+        from .model.attention import resolve_backend
+
+        resolve_backend(self.gpt_config.attention_backend, device)
+        cfg = self.gpt_config
+        if device.type != "cuda":
+            if cfg.fp8_backend == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
+                raise RuntimeError(
+                    "model.gpt.fp8_backend='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
+                    "use fp8_backend: emulated (or auto) on CPU"
+                )
+            if self.loss_backend == "triton":
+                import os
+
+                if os.environ.get("TRITON_INTERPRET") != "1":
+                    raise RuntimeError(
+                        "model.loss_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
+                        "use loss_backend: auto or reference on CPU"
+                    )
+
+    @property
+    def process_group(self):
+        return getattr(self.trainer.strategy, "process_group", None) if self._trainer is not None else None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        o = self.optim_config
+        roles = self.model.param_roles()
+        pg = self.process_group
+        parts: dict[str, torch.optim.Optimizer] = {}
+        if o.matrix_optimizer == "anvil":
+            from .optim.anvil import Anvil
+
+            parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+                                      process_group=pg)
+        else:
+            parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
+                                         weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
+                                         process_group=pg)
+        groups = []
+        for name, g in (("embed", o.embed), ("lm_head", o.lm_head), ("value_embeds", o.value_embeds),
+                        ("scalars", o.scalars)):
+            if roles[name]:
+                groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
+                                   wd_mul=g.wd_mul))
+        parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
+                                 cautious_wd=o.cautious_wd, process_group=pg)
+        return CombinedOptimizer(parts)
+
+    # -- schedule hooks (called by callbacks.schedule.ScheduleCallback) ---------------
+    def set_lr_scale(self, scale: float) -> None:
+        """Set every param group's lr to its initial lr times ``scale``."""
+        for group in self._combined().param_groups:
+            group["lr"] = group["initial_lr"] * scale
+
+    def set_momentum(self, momentum: float) -> None:
+        """Set the momentum of the optimizer groups that have one (ANVIL)."""
+        for group in self._combined().param_groups:
+            if "momentum" in group:
+                group["momentum"] = momentum
+
+    def set_windows(self, short: int, long: int, yarn_from: Optional[tuple[int, int]] = None) -> None:
+        """Use attention windows (short, long); with ``yarn_from`` also stretch the rotary frequencies."""
+        if yarn_from is not None:
+            self.model.rotaries["short"].apply_yarn(yarn_from[0], short)
+            self.model.rotaries["long"].apply_yarn(yarn_from[1], long)
+        self.settings.windows = (short, long)
+
+    def set_loss_options(self, candidates: Optional[int], mtp_weights: list[float], prefix_weight: float) -> None:
+        """Sampled-softmax candidate count (None = full), multi-token weights, prefix-loss weight."""
+        if candidates is not None and candidates >= self.gpt_config.vocab_size:
+            candidates = None
+        self.settings.candidates = candidates
+        self.settings.mtp_weights = tuple(mtp_weights)
+        self.settings.prefix_weight = prefix_weight
+
+    def set_active_parts(self, names: Optional[list[str]]) -> None:
+        """Optimizer parts that update at the end of this step (None = all)."""
+        self.settings.active_parts = None if names is None else tuple(names)
+
+    def active_parts_for(self, step: int) -> list[str]:
+        """Optimizer parts that update at ``step``: matrices every step, Adam on its cadence."""
+        parts = ["matrices"]
+        if self.schedule.adam_step(step):
+            parts.append("adam")
+        return parts
+
+    def _combined(self) -> CombinedOptimizer:
+        opt = self.optimizers()
+        return opt.optimizer if hasattr(opt, "optimizer") else opt
+
+    # -- steps ---------------------------------------------------------------------
+    def _micro_loss(self, mb: dict[str, Any]) -> Tensor:
+        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows)
+        s = self.settings
+        candidates = None
+        if s.candidates is not None:
+            candidates = self.sampler.build(mb["targets"], s.candidates)
+        return lm_head_loss(
+            hidden, self.model.lm_head, mb["targets"], candidates=candidates, mtp_weights=s.mtp_weights,
+            prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
+        )
+
+    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        micro = batch if isinstance(batch, list) else [batch]
+        total = torch.zeros((), device=self.device)
+        for mb in micro:
+            loss = self._micro_loss(mb)
+            self.manual_backward(loss / len(micro))
+            total += loss.detach()
+        combined = self._combined()
+        combined.set_active(self.settings.active_parts)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step = self.global_step  # already counts this step
+        tokens = sum(mb["inputs"].numel() for mb in micro)
+        # read by callbacks.throughput (ThroughputMonitor): dense-model FLOPs of this rank's step
+        self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
+                                                                       *self.settings.windows)
+        mean_loss = total / len(micro)
+        self.log("train/loss", mean_loss, prog_bar=True, batch_size=1)
+        self.log("train/tokens", float(self.schedule.tokens_through(step - 1)), batch_size=1)
+        self.log("lr", self.schedule.lr_mul(step - 1), batch_size=1)
+        return mean_loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
+                            (self.schedule.val_window_short, self.schedule.val_window_long))
+        loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Stop after the schedule's last step so the final validation runs (Lightning validates
+        # when training is asked to stop).
+        last = self.schedule.total_steps
+        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
+            last = min(last, self.trainer.max_steps)
+        if self.global_step >= last:
+            self.trainer.should_stop = True
+
+    # -- checkpoint ----------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["speedrun"] = {
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "windows": self.settings.windows,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("speedrun", {})
+        self._pending_sampler_state = state.get("sampler")
+        if "windows" in state:
+            self.settings.windows = tuple(state["windows"])
+
+    def on_train_start(self) -> None:
+        pending = getattr(self, "_pending_sampler_state", None)
+        if pending is not None and self.sampler is not None:
+            self.sampler.load_state_dict(pending)
+            self._pending_sampler_state = None
+
+    def configure_callbacks(self):
+        from callbacks.schedule import ScheduleCallback
+
+        return [ScheduleCallback()]
