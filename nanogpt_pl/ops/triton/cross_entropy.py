@@ -1,0 +1,169 @@
+"""Triton kernel: softcapped cross-entropy loss and logit gradient for a chunk of rows.
+
+One program handles one row of a ``[R, P]`` logit chunk (``P`` = the vocabulary or the
+sampled candidate count; a runtime argument, so changing it never recompiles). It
+
+1. applies the softcap ``z = A·σ((ℓ + B)/C)`` to every logit,
+2. forms the log-sum-exp with the fixed maximum ``A`` the softcap allows:
+   ``LSE = A + log Σ_j exp(z_j − A)`` (every term lies in ``(e^-A, 1]``, so the sum
+   cannot overflow or vanish in fp32 and no running maximum is needed; RECORD §6),
+3. adds the weighted loss of up to ``TERMS`` targets of the row (multi-token prediction
+   and prefix-token terms; a position of -1 means "no term"),
+4. writes ``dL/dℓ_j = (A/C)·σ_j(1 − σ_j)·(S_w·p_j − Σ{w_k : target_k = j})·grad_scale``
+   (``S_w`` = total weight of the row's live terms, ``p = softmax(z)``) into ``grad``,
+   which may be the logit buffer itself (in place) or a separate buffer, e.g. fp8.
+
+The logits may be bf16/fp16/fp32 or float8_e4m3fn bytes with a dequantization factor
+(the FP8 lm_head of RECORD §7 writes raw logits saturating at ±448). The plain PyTorch
+twin of this kernel is ``nanogpt_pl.ops.cross_entropy.softcap_ce_rows_reference``.
+
+The kernel reads each logit twice (the sum needs the whole row before any gradient can
+be formed) and writes each gradient once; the two reads of one row are close in time,
+so the second mostly hits L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements per inner-loop step on the GPU: 4096 bf16 logits = 8 KiB per step, 16 per
+# thread at 8 warps, i.e. two 16-byte vector loads per thread per step.
+DEFAULT_BLOCK_P = 4096
+DEFAULT_NUM_WARPS = 8
+
+
+@triton.jit(do_not_specialize=["P"])
+def _softcap_ce_rows_kernel(
+    logits_ptr,
+    stride_logits,
+    grad_ptr,
+    stride_grad,
+    tpos_ptr,
+    stride_tpos,
+    tw_ptr,
+    loss_ptr,
+    P,
+    logit_scale,
+    grad_scale,
+    grad_max,
+    CAP: tl.constexpr,
+    SHIFT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    TERMS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    CLAMP_GRAD: tl.constexpr,
+):
+    # int64: a chunk of 49,152 rows x 50,304 columns has more elements than int32 holds.
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * stride_logits
+    row_grad = grad_ptr + row * stride_grad
+    cols = tl.arange(0, BLOCK_P)
+
+    # The row's terms, gathered before pass 2 overwrites the logits when grad aliases them.
+    t_offs = tl.arange(0, TERMS)
+    tpos = tl.load(tpos_ptr + row * stride_tpos + t_offs)
+    tw = tl.load(tw_ptr + t_offs)
+    live = tpos >= 0
+    tw_live = tl.where(live, tw, 0.0)
+    l_t = tl.load(row_logits + tl.where(live, tpos, 0), mask=live, other=0.0).to(tl.float32)
+    a_t = (l_t * logit_scale + SHIFT) * (1.0 / WIDTH)
+    e_t = tl.exp(-tl.abs(a_t))
+    r_t = 1.0 / (1.0 + e_t)
+    z_t = CAP * tl.where(a_t >= 0, r_t, e_t * r_t)
+
+    # Pass 1: Σ exp(z − CAP). σ is formed from exp(−|a|) so it stays exact at both tails
+    # and finite for any input, ±inf included.
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for start in range(0, P, BLOCK_P):
+        c = start + cols
+        m = c < P
+        ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
+        a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
+        e = tl.exp(-tl.abs(a))
+        r = 1.0 / (1.0 + e)
+        s = tl.where(a >= 0, r, e * r)
+        acc += tl.where(m, tl.exp(CAP * s - CAP), 0.0)
+    total = tl.sum(acc, axis=0)
+    lse = CAP + tl.log(total)
+    s_w = tl.sum(tw_live, axis=0)
+    loss = tl.sum(tw_live * (lse - z_t), axis=0)
+    tl.store(loss_ptr + row, loss)
+
+    if WRITE_GRAD:
+        inv_total = 1.0 / total
+        # dz/dℓ = (CAP/WIDTH)·σ(1−σ); grad_scale folds in the 1/N of the mean and the
+        # divisor of the gradient's storage format.
+        coef = (CAP / WIDTH) * grad_scale
+        for start in range(0, P, BLOCK_P):
+            c = start + cols
+            m = c < P
+            ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
+            a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
+            e = tl.exp(-tl.abs(a))
+            r = 1.0 / (1.0 + e)
+            s = tl.where(a >= 0, r, e * r)
+            ds = e * r * r  # σ(1−σ) without the cancellation of 1 − σ near σ = 1
+            p = tl.exp(CAP * s - CAP) * inv_total
+            hit = tl.sum(tl.where(c[None, :] == tpos[:, None], tw_live[:, None], 0.0), axis=0)
+            g = coef * ds * (s_w * p - hit)
+            if CLAMP_GRAD:
+                g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
+            tl.store(row_grad + c, g.to(row_grad.dtype.element_ty), mask=m)
+
+
+def softcap_ce_rows(
+    logits: torch.Tensor,
+    logit_scale: float,
+    grad: torch.Tensor | None,
+    grad_scale: float,
+    tpos: torch.Tensor,
+    term_weights: torch.Tensor,
+    loss_out: torch.Tensor,
+    *,
+    cap: float,
+    shift: float,
+    width: float,
+    block_p: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Launch the fused softcap + LSE + loss + logit-gradient kernel on a chunk of rows.
+
+    Args:
+        logits: ``[R, P]`` bf16/fp16/fp32 or float8_e4m3fn; rows contiguous (stride 1 along P).
+        logit_scale: factor that turns the stored values into logits (1.0 unless quantized).
+        grad: ``[R, P]`` buffer for ``dL/dℓ`` (may be ``logits`` itself), bf16/fp16/fp32 or
+            float8_e5m2/e4m3fn (saturated to the format's maximum); ``None`` skips the gradient.
+        grad_scale: factor applied to the gradient before it is stored.
+        tpos: ``[R, TERMS]`` int32 column of each term's target in the chunk, -1 = no term;
+            ``TERMS`` must be a power of two.
+        term_weights: ``[TERMS]`` fp32 weight of each term column.
+        loss_out: ``[R]`` fp32, receives each row's weighted loss ``Σ_k w_k (LSE − z_target_k)``.
+        cap, shift, width: the softcap constants ``z = cap·σ((ℓ + shift)/width)``.
+        block_p: columns per inner-loop step (a power of two); defaults to ``DEFAULT_BLOCK_P``.
+        num_warps: warps per program; defaults to ``DEFAULT_NUM_WARPS``.
+    """
+    R, P = logits.shape
+    terms = tpos.shape[1]
+    if terms & (terms - 1) or tpos.shape[0] != R or term_weights.numel() != terms:
+        raise ValueError(f"tpos {tuple(tpos.shape)} / term_weights {tuple(term_weights.shape)} do not "
+                         f"match {R} rows with a power-of-two term count")
+    if logits.stride(1) != 1 or (grad is not None and grad.stride(1) != 1) or tpos.stride(1) != 1:
+        raise ValueError("softcap_ce_rows needs rows with unit column stride")
+    if R == 0:
+        return
+    write_grad = grad is not None
+    if grad is None:
+        grad = logits  # never written: WRITE_GRAD is off
+    clamp = grad.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
+    grad_max = float(torch.finfo(grad.dtype).max) if clamp else 0.0
+    block = block_p or min(DEFAULT_BLOCK_P, triton.next_power_of_2(P))
+    _softcap_ce_rows_kernel[(R,)](
+        logits, logits.stride(0), grad, grad.stride(0), tpos, tpos.stride(0),
+        term_weights, loss_out, P, float(logit_scale), float(grad_scale), grad_max,
+        CAP=cap, SHIFT=shift, WIDTH=width, TERMS=terms, BLOCK_P=block,
+        WRITE_GRAD=write_grad, CLAMP_GRAD=clamp,
+        num_warps=num_warps or DEFAULT_NUM_WARPS,
+    )
