@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +96,79 @@ def reference_slices(shard_tokens: list[np.ndarray], schedule: Schedule, steps: 
             if shard_i >= len(shard_tokens):
                 raise RuntimeError("reference: data exhausted")
     return out
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+PATH_RE = re.compile(r"^/datasets/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>[^?]+)")
+
+
+class FakeHub:
+    """A fake of the Hugging Face hub's file endpoints for one dataset repo, on localhost.
+
+    Serves ``HEAD``/``GET /datasets/<repo>/resolve/<revision>/<file>`` with the headers
+    huggingface_hub's ``hf_hub_download`` reads (``X-Repo-Commit``, ``ETag``,
+    ``Content-Length``; byte ranges for resumed transfers; ``X-Error-Code`` on 404) and
+    records every request.
+    """
+
+    def __init__(self, files: dict[str, bytes], repo: str = "kjj0/fineweb10B-gpt2"):
+        self.files = files
+        self.repo = repo
+        self.requests: list[tuple[str, str]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def _serve(self, body: bool) -> None:
+                hub.requests.append((self.command, self.path))
+                m = PATH_RE.match(self.path)
+                if not m or m["repo"] != hub.repo or m["file"] not in hub.files:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound" if m else "RepoNotFound")
+                    self.send_header("X-Error-Message", "Entry not found")
+                    self.send_header("X-Repo-Commit", COMMIT)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = hub.files[m["file"]]
+                start = 0
+                rng = self.headers.get("Range")
+                if rng and body:
+                    start = int(re.match(r"bytes=(\d+)-", rng).group(1))
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("Content-Length", str(len(data) - start))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data[start:])
+
+            def do_HEAD(self):
+                self._serve(body=False)
+
+            def do_GET(self):
+                self._serve(body=True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def gets(self) -> list[str]:
+        return sorted(PATH_RE.match(p)["file"] for c, p in self.requests if c == "GET")
+
+    def __enter__(self) -> "FakeHub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
