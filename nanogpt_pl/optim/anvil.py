@@ -1,0 +1,619 @@
+"""ANVIL II: the record's optimizer for the hidden matrices, sharded over ranks.
+
+Per matrix and per step (RECORD.md §8), with ``g`` the rank-averaged gradient:
+
+1. **Twin rails** (fp32): a fast rail ``v_f ← v_f + (1 − β_f)(g − v_f)`` and a zero-initialised
+   slow rail ``v_s ← v_s + (1 − β_s)(g − v_s)``, β_s = 0.98, both running from step 0. Before the
+   engage step (514) β_f is the scheduled momentum μ and the blend is the fast rail alone;
+   from it on β_f = 0.85 and ``m = w·v_f + (1 − w)·v_s`` with w = 0.4385.
+2. **Nesterov lookahead**: ``u = (1 − μ)·g + μ·m``.
+3. **Polar cascade** (``nanogpt_pl.optim.polar``): Frobenius-normalize ``u`` and apply six
+   quintic maps through the Gram matrix in bf16, so every singular value lands near 1.
+4. **Isotropic lanes**: a lane is a row when rows ≥ cols, else a column. Each lane keeps an
+   EMA ``E`` (β₂ = 0.9, zero init) of its mean squared update ``P``; the update is rescaled
+   by ``1/√max(E, 1e-10)`` per lane and then back to its Frobenius norm before the rescale.
+5. **Cautious decoupled decay and the step**:
+   ``θ ← θ − 𝟙[v_s·θ ≥ 0]·θ·(wd·lr)·lr_eff − lr_eff·v`` with ``lr`` the group's lr (already
+   times the schedule's multiplier), ``wd`` = 2.25 and ``lr_eff = lr·√max(1, rows/cols)·anvil_lr_mul``.
+   The decay is gated on the slow rail, the de-noised direction of the gradient.
+
+**Precision.** bf16 parameters keep an fp32 master: the bf16 weight holds the high 16 bits
+of the fp32 value and a uint16 "mantissa sidecar" in the optimizer state holds the low 16
+(RECORD §8 step 5), so ``θ_fp32 = (bf16 bits << 16) | sidecar`` exactly and the visible bf16
+weight is the master truncated toward zero. The master costs 2 bytes per parameter element
+instead of the 4 of an fp32 copy, and only on the rank that owns the matrix (2/world bytes
+per element per rank). fp32 parameters are their own master (no sidecar). The rest of the
+state is fp32: two rails (8 bytes per element, again only on the owner) and one lane value
+per row or column.
+
+**Banks and sharding.** Matrices of equal shape (within a param group and dtype) form a bank,
+ordered as the parameters are given. A parameter is viewed as ``(-1, rows, cols)``: its last
+two dims, or the shape in its ``anvil_block`` attribute (e.g. ``qk_w [2, 768, 768]`` with
+``anvil_block = (256, 768)`` is six 256×768 matrices, two heads of Q or K each). With ``W``
+ranks each bank is padded to a multiple of ``W`` matrices; rank ``k`` owns the ``k``-th
+contiguous slice. A step stacks each bank's gradients, launches every bank's
+reduce-scatter (average) at once, then works bank by bank: wait for its gradient shard,
+update the owned matrices, launch its all-gather; finally it waits for the gathers and
+writes the gathered matrices back into the parameters. There is no DDP wrapper: this
+optimizer owns the communication of its parameters. A parameter's gradient that is
+``None`` counts as zero, unless every gradient of the bank is ``None`` (then the bank is
+skipped on every rank; the ranks must agree on that, as they do in data-parallel training).
+
+**Driving it.** Before each ``step()`` the caller sets ``group["lr"]`` (the base lr times the
+schedule's multiplier; ``group["initial_lr"]`` keeps the base) and ``group["momentum"]`` (μ of
+the schedule). The optimizer counts its own steps (``state_dict`` carries the count), which
+decides the engage step; a caller may instead set ``group["step"]`` (an int, the 0-based
+index of the step being taken) to drive that group explicitly.
+
+**Checkpoints.** With one rank ``state_dict()`` is the full state. With several ranks it is
+this rank's shard (``"anvil-local"``), which loads back only on the same rank of the same
+world size; :meth:`Anvil.consolidate_state_dict` (a collective, Lightning's protocol for
+sharded optimizers) makes the next ``state_dict()`` on rank ``to`` return the full,
+world-size-independent state (``"anvil-full"``), which loads on any world size.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
+
+# RECORD.md §8 "Hyperparameters" [L360@186k] and "Per-matrix update" steps 1, 4, 5.
+ANVIL_LR = 0.023
+ANVIL_WEIGHT_DECAY = 2.25
+LANE_BETA2 = 0.9
+LANE_EPS = 1e-10
+# RECORD.md §8 step 1: DUAL_MOMENTUM "0.85, 0.98, 0.4385, 514".
+FAST_BETA_ENGAGED = 0.85
+SLOW_BETA = 0.98
+BLEND = 0.4385
+ENGAGE_STEP = 514
+# RECORD.md §8 step 2: μ(0) = 0.85 (the schedule raises it to 0.93).
+MOMENTUM_START = 0.85
+
+_FULL = "anvil-full"
+_LOCAL = "anvil-local"
+_STATE_VERSION = 1
+
+# Layout of the per-group step scalars shipped to the device once per step.
+_S_ONE_MINUS_FAST, _S_ONE_MINUS_SLOW, _S_BLEND, _S_MU, _S_ONE_MINUS_LANE, _S_EPS, _S_WD_LR, _S_LR = range(8)
+_N_SCALARS = 8
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- the update math (plain functions so torch.compile can fuse them on the GPU) ----------
+def rails_lookahead(g: Tensor, rails: Tensor, s: Tensor) -> Tensor:
+    """Advance both rails with ``g`` and return the Nesterov lookahead ``(1 − μ)·g + μ·m`` (fp32).
+
+    ``rails`` is ``[2, n, rows, cols]`` fp32 (fast, slow); ``s`` the group's step scalars.
+    """
+    g = g.float()
+    rails[0].lerp_(g, s[_S_ONE_MINUS_FAST])
+    rails[1].lerp_(g, s[_S_ONE_MINUS_SLOW])
+    w = s[_S_BLEND]
+    m = w * rails[0] + (1 - w) * rails[1]
+    return g.lerp(m, s[_S_MU])
+
+
+def lanes_equalize(x: Tensor, lane_energy: Tensor, s: Tensor, lane_dim: int) -> Tensor:
+    """Rescale each lane of ``x`` by ``1/√max(E, eps)`` at fixed Frobenius norm; updates ``E`` (fp32)."""
+    v = x.float()
+    length = v.shape[lane_dim]
+    power = v.square().mean(dim=lane_dim, keepdim=True)
+    pre = (power.sum(dim=(-2, -1), keepdim=True) * length).sqrt()
+    lane_energy.lerp_(power, s[_S_ONE_MINUS_LANE])
+    gain = torch.clamp(lane_energy, min=s[_S_EPS]).rsqrt()
+    post = (power * length * gain.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return v * (gain * (pre / torch.clamp(post, min=s[_S_EPS])))
+
+
+def master_from_bf16(param_bits: Tensor, sidecar: Tensor) -> Tensor:
+    """The fp32 master ``(bf16 bits << 16) | sidecar`` from int16 views of both halves."""
+    hi = param_bits.to(torch.int32) << 16
+    lo = sidecar.to(torch.int32) & 0xFFFF
+    return (hi | lo).view(torch.float32)
+
+
+def split_master(theta: Tensor) -> tuple[Tensor, Tensor]:
+    """(high 16 bits, low 16 bits) of fp32 ``theta`` as int16: the bf16 weight (truncated) and the sidecar."""
+    bits = theta.view(torch.int32)
+    return (bits >> 16).to(torch.int16), bits.to(torch.int16)
+
+
+def decay_and_step(theta: Tensor, v: Tensor, slow: Tensor, lr_eff: Tensor, s: Tensor) -> Tensor:
+    """``θ − 𝟙[v_s·θ ≥ 0]·θ·(wd·lr)·lr_eff − lr_eff·v`` (RECORD §8 step 5)."""
+    aligned = (slow * theta) >= 0
+    return theta - theta * aligned * (s[_S_WD_LR] * lr_eff) - v * lr_eff
+
+
+def finish_update(
+    x: Tensor, lane_energy: Tensor, slow: Tensor, params: Tensor, sidecar: Optional[Tensor],
+    lr_mul: Tensor, s: Tensor, lane_dim: int,
+) -> None:
+    """Lanes, cautious decay and the step, written into ``params`` (and the sidecar) in place."""
+    v = lanes_equalize(x, lane_energy, s, lane_dim)
+    lr_eff = lr_mul * s[_S_LR]
+    if sidecar is None:
+        params.copy_(decay_and_step(params.float(), v, slow, lr_eff, s))
+        return
+    bits = params.view(torch.int16)
+    theta = decay_and_step(master_from_bf16(bits, sidecar), v, slow, lr_eff, s)
+    hi, lo = split_master(theta)
+    bits.copy_(hi)
+    sidecar.copy_(lo)
+
+
+class _Fused:
+    """``fn`` compiled with torch.compile on first use, falling back to eager if compilation fails.
+
+    The fallback only covers a failure of the first call, before any kernel of the compiled
+    graph ran (compilation happens before execution), so no state is half-updated.
+    """
+
+    def __init__(self, fn: Callable, enabled: bool) -> None:
+        self.fn = fn
+        self.compiled: Optional[Callable] = torch.compile(fn, fullgraph=True, dynamic=False) if enabled else None
+        self.proven: set = set()
+
+    def __call__(self, *args: Any, key: Any = None) -> Any:
+        if self.compiled is None:
+            return self.fn(*args)
+        if key in self.proven:
+            return self.compiled(*args)
+        try:
+            out = self.compiled(*args)
+        except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
+
+            if not isinstance(err, (BackendCompilerFailed, Unsupported, TorchRuntimeError)):
+                raise
+            warnings.warn(f"Anvil: torch.compile of {self.fn.__name__} failed ({err!r}); running it eagerly. "
+                          f"Pass compile=False to skip the attempt.")
+            self.compiled = None
+            return self.fn(*args)
+        self.proven.add(key)
+        return out
+
+
+class _ScalarStager:
+    """Ships the per-step scalars of every group to the device in one copy, without a host sync.
+
+    On CUDA the values go through a small ring of pinned host buffers; a slot is refilled
+    only after the copy that last read it has run (its event).
+    """
+
+    _SLOTS = 4
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.device = device
+        self.dev = torch.zeros(rows, _N_SCALARS, dtype=torch.float32, device=device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = [torch.zeros(rows, _N_SCALARS, dtype=torch.float32, pin_memory=True)
+                         for _ in range(self._SLOTS)]
+            self.events: list[Optional[torch.cuda.Event]] = [None] * self._SLOTS
+            self.slot = 0
+
+    def push(self, values: list[list[float]]) -> Tensor:
+        src = torch.tensor(values, dtype=torch.float32)
+        if not self.cuda:
+            self.dev.copy_(src)
+            return self.dev
+        i = self.slot
+        self.slot = (i + 1) % self._SLOTS
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        self.host[i].copy_(src)
+        self.dev.copy_(self.host[i], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[i] = ev
+        return self.dev
+
+
+@dataclass
+class _Bank:
+    """Matrices of one shape, dtype and param group; this rank owns ``[lo, hi)`` of them."""
+
+    group: int
+    rows: int
+    cols: int
+    dtype: torch.dtype
+    pieces: list[tuple[Tensor, int, int]]  # (param, first matrix index, matrix count)
+    count: int
+    per_rank: int
+    lo: int
+    hi: int
+    lr_mul: Tensor  # [owned, 1, 1] fp32: √max(1, rows/cols) · anvil_lr_mul
+    rails: Tensor  # [2, owned, rows, cols] fp32
+    lane_energy: Tensor  # [owned, rows, 1] or [owned, 1, cols] fp32
+    sidecar: Optional[Tensor]  # [owned, rows, cols] int16, bf16 params only
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def owned(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def lane_dim(self) -> int:
+        # a lane is a row when rows >= cols: its energy is the mean over the columns
+        return -1 if self.rows >= self.cols else -2
+
+    def buffer(self, name: str, count: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = torch.zeros(count, self.rows, self.cols, dtype=dtype, device=device)
+        return buf
+
+    def matrices(self, p: Tensor) -> Tensor:
+        return p.view(-1, self.rows, self.cols)
+
+    def owned_pieces(self) -> list[tuple[Tensor, int, int, int]]:
+        """(param, first matrix in the param, first slot in the owned shard, count) for owned matrices."""
+        out = []
+        for p, start, n in self.pieces:
+            a, b = max(start, self.lo), min(start + n, self.hi)
+            if a < b:
+                out.append((p, a - start, a - self.lo, b - a))
+        return out
+
+    def meta(self) -> dict:
+        return {"group": self.group, "rows": self.rows, "cols": self.cols, "dtype": str(self.dtype).replace("torch.", ""),
+                "count": self.count}
+
+
+class Anvil(torch.optim.Optimizer):
+    """ANVIL II for hidden matrices (RECORD.md §8), sharded over the ranks of ``process_group``.
+
+    Args:
+        params: matrices (or param groups). Each parameter is viewed as ``(-1, rows, cols)``
+            with ``(rows, cols)`` its ``anvil_block`` attribute or, by default, its last two dims.
+            An optional ``anvil_lr_mul`` attribute (a float, or one float per matrix) scales its
+            lr (RECORD §8: 2.0 for the MLP output projection, 0.0 freezes a matrix).
+        lr: base lr (RECORD §8: 0.023). The schedule multiplies it into ``group["lr"]`` each step.
+        momentum: μ of the Nesterov lookahead, and β of the fast rail before the engage step;
+            the schedule sets ``group["momentum"]`` each step (RECORD §8: 0.85 → 0.93 → 0.85).
+        weight_decay: cautious decay per unit lr² (RECORD §8: 2.25).
+        lane_beta2: EMA decay of the lane energies (0.9).
+        lane_eps: floor of the lane energies and of the rescaled norm (1e-10).
+        slow_beta: β of the slow rail (0.98).
+        blend: weight of the fast rail in the blend once engaged (0.4385).
+        fast_beta_engaged: β of the fast rail once engaged (0.85).
+        engage_step: first step (0-based) of the blend (514).
+        maps: the cascade's (a, b, c) coefficients (default: the record's ``ANVIL_MAPS``).
+        backend: ``auto``, ``torch`` or ``triton`` for the cascade's Gram/polynomial kernels.
+        compile: fuse the elementwise parts with torch.compile (None = on CUDA only).
+        process_group: ranks that share the matrices. None = the default group when
+            torch.distributed is initialized (as ``DistAdam``), else no communication; a group
+            of size 1 also means no communication.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = ANVIL_LR,
+        momentum: float = MOMENTUM_START,
+        weight_decay: float = ANVIL_WEIGHT_DECAY,
+        lane_beta2: float = LANE_BETA2,
+        lane_eps: float = LANE_EPS,
+        slow_beta: float = SLOW_BETA,
+        blend: float = BLEND,
+        fast_beta_engaged: float = FAST_BETA_ENGAGED,
+        engage_step: int = ENGAGE_STEP,
+        maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS,
+        backend: str = "auto",
+        compile: Optional[bool] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"Anvil: lr must be >= 0, got {lr}")
+        for name, beta in (("momentum", momentum), ("lane_beta2", lane_beta2), ("slow_beta", slow_beta),
+                           ("blend", blend), ("fast_beta_engaged", fast_beta_engaged)):
+            if not 0.0 <= beta <= 1.0:
+                raise ValueError(f"Anvil: {name} must lie in [0, 1], got {beta}")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, lane_beta2=lane_beta2,
+                        lane_eps=lane_eps, slow_beta=slow_beta, blend=blend,
+                        fast_beta_engaged=fast_beta_engaged, engage_step=engage_step)
+        self._banks: list[_Bank] = []
+        self._ready = False
+        super().__init__(params, defaults)
+        self.maps = tuple(tuple(float(v) for v in m) for m in maps)
+        self.backend = backend
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self._step = 0
+        self._consolidated: Optional[dict] = None
+        self._ready = True
+        self.device = self._check_params()
+        resolve_backend(backend, self.device)  # fail early on an impossible backend
+        use_compile = self.device.type == "cuda" if compile is None else bool(compile)
+        self._rails_fn = _Fused(rails_lookahead, use_compile)
+        self._finish_fn = _Fused(finish_update, use_compile)
+        self._scalars = _ScalarStager(len(self.param_groups), self.device)
+        for i in range(len(self.param_groups)):
+            self._build_banks(i)
+
+    # -- construction ----------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        param_group.setdefault("initial_lr", param_group["lr"])
+        if getattr(self, "_ready", False):
+            self._check_params()
+            self._scalars = _ScalarStager(len(self.param_groups), self.device)
+            self._build_banks(len(self.param_groups) - 1)
+
+    def _check_params(self) -> torch.device:
+        devices = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                devices.add(p.device)
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"Anvil supports float32 and bfloat16 parameters, got {p.dtype} "
+                                     f"(shape {tuple(p.shape)}); cast the parameter or use Adam for it")
+                if not p.is_contiguous():
+                    raise ValueError(f"Anvil needs contiguous parameters (shape {tuple(p.shape)}); "
+                                     f"make it contiguous before building the optimizer")
+                rows, cols = self._block_of(p)
+                # a block is whole rows of the parameter's last two dims, so the (-1, rows, cols) view
+                # cuts real submatrices
+                if p.dim() < 2 or p.shape[-1] != cols or p.shape[-2] % rows:
+                    raise ValueError(f"parameter of shape {tuple(p.shape)}: anvil_block {(rows, cols)} does not "
+                                     f"tile its last two dims (cols must equal the last dim and rows divide the "
+                                     f"one before)")
+        if len(devices) > 1:
+            raise ValueError(f"Anvil needs all parameters on one device, got {sorted(map(str, devices))}")
+        return devices.pop() if devices else torch.device("cpu")
+
+    @staticmethod
+    def _block_of(p: Tensor) -> tuple[int, int]:
+        block = getattr(p, "anvil_block", None)
+        if block is None:
+            if p.dim() < 2:
+                raise ValueError(f"Anvil orthogonalizes matrices; got a parameter of shape {tuple(p.shape)}. "
+                                 f"Give 1-D parameters (gains, biases, scalars) to Adam")
+            return int(p.shape[-2]), int(p.shape[-1])
+        if len(block) != 2 or min(block) < 1:
+            raise ValueError(f"anvil_block must be (rows, cols) of positive ints, got {block!r}")
+        return int(block[0]), int(block[1])
+
+    @staticmethod
+    def _lr_muls(p: Tensor, count: int) -> list[float]:
+        mul = getattr(p, "anvil_lr_mul", 1.0)
+        if isinstance(mul, (int, float)):
+            return [float(mul)] * count
+        muls = [float(m) for m in mul]
+        if len(muls) != count:
+            raise ValueError(f"anvil_lr_mul of a parameter with {count} matrices has {len(muls)} entries")
+        return muls
+
+    def _build_banks(self, gi: int) -> None:
+        entries: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
+        for p in self.param_groups[gi]["params"]:
+            rows, cols = self._block_of(p)
+            entries.setdefault((rows, cols, p.dtype), []).append(p)
+        w, k = self.world_size, self.rank
+        for (rows, cols, dtype), ps in entries.items():
+            pieces, muls, start = [], [], 0
+            for p in ps:
+                n = p.numel() // (rows * cols)
+                pieces.append((p, start, n))
+                muls += self._lr_muls(p, n)
+                start += n
+            count = start
+            per_rank = -(-count // w)
+            lo, hi = min(k * per_rank, count), min((k + 1) * per_rank, count)
+            shape_mul = math.sqrt(max(1.0, rows / cols))
+            dev = self.device
+            owned = hi - lo
+            lane_shape = (owned, rows, 1) if rows >= cols else (owned, 1, cols)
+            self._banks.append(_Bank(
+                group=gi, rows=rows, cols=cols, dtype=dtype, pieces=pieces, count=count, per_rank=per_rank,
+                lo=lo, hi=hi,
+                lr_mul=torch.tensor([shape_mul * m for m in muls[lo:hi]], dtype=torch.float32,
+                                    device=dev).view(-1, 1, 1),
+                rails=torch.zeros(2, owned, rows, cols, dtype=torch.float32, device=dev),
+                lane_energy=torch.zeros(lane_shape, dtype=torch.float32, device=dev),
+                sidecar=(torch.zeros(owned, rows, cols, dtype=torch.int16, device=dev)
+                         if dtype == torch.bfloat16 else None),
+            ))
+
+    # -- the step ----------------------------------------------------------------------
+    def _group_scalars(self, group: dict) -> list[float]:
+        t = group.get("step")
+        t = self._step if t is None else int(t)
+        engaged = t >= group["engage_step"]
+        fast_beta = group["fast_beta_engaged"] if engaged else group["momentum"]
+        w = group["blend"] if engaged else 1.0
+        s = [0.0] * _N_SCALARS
+        s[_S_ONE_MINUS_FAST] = 1.0 - fast_beta
+        s[_S_ONE_MINUS_SLOW] = 1.0 - group["slow_beta"]
+        s[_S_BLEND] = w
+        s[_S_MU] = group["momentum"]
+        s[_S_ONE_MINUS_LANE] = 1.0 - group["lane_beta2"]
+        s[_S_EPS] = group["lane_eps"]
+        s[_S_WD_LR] = group["weight_decay"] * group["lr"]
+        s[_S_LR] = group["lr"]
+        return s
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One ANVIL update of every bank (see the module docstring for the order of work)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scalars = self._scalars.push([self._group_scalars(g) for g in self.param_groups])
+        world, dev = self.world_size, self.device
+        # The device does the averaging with NCCL; gloo sums and we divide.
+        avg_op = dev.type == "cuda"
+        pending = []
+        for bank in self._banks:
+            if all(p.grad is None for p, _, _ in bank.pieces):
+                continue
+            stacked = bank.buffer("grad", bank.per_rank * world, bank.dtype, dev)
+            for p, start, n in bank.pieces:
+                if p.grad is None:
+                    stacked[start:start + n].zero_()
+                else:
+                    stacked[start:start + n].copy_(p.grad.reshape(n, bank.rows, bank.cols))
+            if world == 1:
+                pending.append((bank, stacked, None))
+                continue
+            shard = bank.buffer("grad_shard", bank.per_rank, bank.dtype, dev)
+            op = dist.ReduceOp.AVG if avg_op else dist.ReduceOp.SUM
+            work = _reduce_scatter(shard, stacked, op=op, group=self.process_group, async_op=True)
+            pending.append((bank, shard, work))
+
+        gathers = []
+        for bank, shard, work in pending:
+            if work is not None:
+                work.wait()
+                if not avg_op:
+                    shard.mul_(1.0 / world)
+            own = bank.buffer("own", bank.per_rank, bank.dtype, dev)
+            n = bank.owned
+            if n:
+                pieces = bank.owned_pieces()
+                for p, a, slot, m in pieces:
+                    own[slot:slot + m].copy_(bank.matrices(p)[a:a + m])
+                self._update_bank(bank, shard[:n], own[:n], scalars[bank.group])
+            if world == 1:
+                for p, a, slot, m in bank.owned_pieces():
+                    bank.matrices(p)[a:a + m].copy_(own[slot:slot + m])
+                continue
+            full = bank.buffer("gathered", bank.per_rank * world, bank.dtype, dev)
+            gathers.append((bank, full, _all_gather(full, own, group=self.process_group, async_op=True)))
+
+        for bank, full, work in gathers:
+            work.wait()
+            for p, start, n in bank.pieces:
+                bank.matrices(p).copy_(full[start:start + n])
+        self._step += 1
+        return loss
+
+    def _update_bank(self, bank: _Bank, grad: Tensor, params: Tensor, s: Tensor) -> None:
+        key = (bank.group, bank.rows, bank.cols, bank.owned, bank.dtype)
+        u = self._rails_fn(grad, bank.rails, s, key=key)
+        x = polar_cascade(u, self.maps, backend=self.backend)
+        self._finish_fn(x, bank.lane_energy, bank.rails[1], params, bank.sidecar, bank.lr_mul, s, bank.lane_dim,
+                        key=key)
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Steps taken so far (the 0-based index of the next step)."""
+        return self._step
+
+    def _groups_meta(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
+                for g in self.param_groups]
+
+    def _bank_state(self, bank: _Bank) -> dict:
+        return {"rails": bank.rails, "lane_energy": bank.lane_energy, "sidecar": bank.sidecar}
+
+    def state_dict(self) -> dict:
+        """The optimizer state: full with one rank (or after :meth:`consolidate_state_dict`), else this rank's shard."""
+        if self._consolidated is not None:
+            sd, self._consolidated = self._consolidated, None
+            return sd
+        kind = _FULL if self.world_size == 1 else _LOCAL
+        sd: dict[str, Any] = {"format": kind, "version": _STATE_VERSION, "step": self._step,
+                              "param_groups": self._groups_meta(),
+                              "banks": [bank.meta() | self._bank_state(bank) for bank in self._banks]}
+        if kind == _LOCAL:
+            sd["world_size"], sd["rank"] = self.world_size, self.rank
+        return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collect the full state on rank ``to`` (a collective: every rank must call it).
+
+        The next ``state_dict()`` on rank ``to`` then returns the world-size-independent
+        ``anvil-full`` state. Lightning's strategies call this for sharded optimizers.
+        """
+        if self.world_size == 1:
+            return
+        banks = []
+        for bank in self._banks:
+            out = bank.meta()
+            for name, t in self._bank_state(bank).items():
+                if t is None:
+                    out[name] = None
+                    continue
+                per = [t[i] for i in range(2)] if name == "rails" else [t]
+                gathered = [self._gather_owned(bank, part) for part in per]
+                out[name] = torch.stack(gathered) if name == "rails" else gathered[0]
+            banks.append(out)
+        if self.rank == to:
+            self._consolidated = {"format": _FULL, "version": _STATE_VERSION, "step": self._step,
+                                  "param_groups": self._groups_meta(), "banks": banks}
+
+    def _gather_owned(self, bank: _Bank, part: Tensor) -> Tensor:
+        """All-gather a per-owned-matrix tensor into ``[count, ...]`` in matrix order."""
+        pad = torch.zeros((bank.per_rank, *part.shape[1:]), dtype=part.dtype, device=part.device)
+        pad[: part.shape[0]].copy_(part)
+        # gloo cannot gather int16; the bytes travel unchanged as bf16
+        send = pad.view(torch.bfloat16) if pad.dtype == torch.int16 else pad
+        full = torch.empty((bank.per_rank * self.world_size, *part.shape[1:]), dtype=send.dtype, device=part.device)
+        _all_gather(full, send, group=self.process_group)
+        if pad.dtype == torch.int16:
+            full = full.view(torch.int16)
+        return full[: bank.count]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state (any world size) or this rank's own shard (same world size and rank)."""
+        kind = state_dict.get("format")
+        if kind not in (_FULL, _LOCAL):
+            raise ValueError(f"not an Anvil state dict (format={kind!r}); was it saved by another optimizer?")
+        if kind == _LOCAL and (state_dict["world_size"], state_dict["rank"]) != (self.world_size, self.rank):
+            raise ValueError(
+                f"this Anvil state is rank {state_dict['rank']}'s shard of a {state_dict['world_size']}-rank run; "
+                f"this is rank {self.rank} of {self.world_size}. Save with consolidate_state_dict() (the full state) "
+                f"to resume on another rank or world size"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            s["num_params"] != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("Anvil state has different param groups than this optimizer; the model's matrices "
+                             "and their grouping must match the checkpoint's")
+        saved_banks = state_dict["banks"]
+        if [self._meta_key(b) for b in saved_banks] != [self._meta_key(b.meta()) for b in self._banks]:
+            raise ValueError(
+                f"Anvil state banks {[self._meta_key(b) for b in saved_banks]} differ from this optimizer's "
+                f"{[self._meta_key(b.meta()) for b in self._banks]}; the model's matrices must match the checkpoint's"
+            )
+        for bank, saved in zip(self._banks, saved_banks):
+            for name, t in self._bank_state(bank).items():
+                src = saved[name]
+                if (t is None) != (src is None):
+                    raise ValueError(f"Anvil state bank {self._meta_key(saved)}: {name} present in one side only")
+                if t is None:
+                    continue
+                if kind == _FULL:
+                    src = src[:, bank.lo:bank.hi] if name == "rails" else src[bank.lo:bank.hi]
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"Anvil state bank {self._meta_key(saved)}: {name} has shape "
+                                     f"{tuple(src.shape)}, expected {tuple(t.shape)}")
+                t.copy_(src)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for k, v in saved.items():
+                if k != "num_params":
+                    group[k] = v
+        self._step = int(state_dict["step"])
+
+    @staticmethod
+    def _meta_key(meta: dict) -> tuple:
+        return (meta["group"], meta["rows"], meta["cols"], meta["dtype"], meta["count"])
