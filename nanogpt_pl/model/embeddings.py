@@ -1,0 +1,247 @@
+"""Sparse embedding channels: the hashed bigram + trigram table and compact value-embedding rows.
+
+The n-gram channel (RECORD §3) adds to the residual stream a vector looked up from a
+huge table by hashes of the last two and three token ids:
+
+    x0_ngram[t] = W[b_t] ⊙ S[si_t] + W[c_t] ⊙ S[ss_t]
+
+with ``b_t`` a bigram row, ``c_t`` a trigram row and ``S`` a fixed ±1 sign table, so two
+n-grams that collide on a row usually read it with different signs. The record's
+table has 84,602,880 rows × 768 (65 billion parameters), far too large to hold on one
+device or to give a dense gradient, so the model never sees the table. The caller
+(``nanogpt_pl.distributed.ngram_shard``) finds the unique rows a micro-batch needs,
+fetches them from the ranks that own them, and hands the model a compact ``[U, D]``
+leaf tensor plus, per token, the position of its two rows in it
+(:class:`NgramInput`). Backward then yields a ``[U, D]`` gradient (the gather's
+backward sums each row's tokens), which goes back to the owners. Value embeddings
+take the same route (:class:`CompactRows`): one gather of the micro-batch's unique
+token ids per plane, so no dense ``[vocab, D]`` gradient is built per step.
+
+Hashes (RECORD §3) use 32-bit signed arithmetic with wrap-around, then a floor modulo,
+exactly as the record computes them; here they run in int64 and wrap to int32 after
+every product, which reproduces the record's values bit for bit. They read the packed
+sequence as one stream and therefore **hash across document boundaries**, as the
+record does (RECORD §15 lists this as a kept quirk): the first token of a document
+gets the bigram of (last token of the previous document, its BOS). Only position 0
+of the packed sequence (and 1 for the trigram) gets the reserved row.
+
+Collisions: a bigram is one of 50,304² ≈ 2.5e9 pairs and the bigram half has
+``H - 1`` hashed rows (42.3M in the record), so distinct n-grams must share rows; on
+text the rate is close to what uniform hashing predicts (``tests/test_ngram_hash.py``
+measures it; the benchmark prints it for real text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# RECORD §3 "Row hashes": multipliers of the bigram and trigram row hashes.
+BIGRAM_MUL_CUR, BIGRAM_MUL_PREV = 36313, 27191
+TRIGRAM_MUL_CUR, TRIGRAM_MUL_PREV, TRIGRAM_MUL_PREV2 = 17351, 60961, 45259
+# RECORD §3 "Sign trick": multipliers of the sign-row hashes and the sign table size (8192 rows, & 8191).
+SIGN_BIGRAM_MUL_PREV, SIGN_BIGRAM_MUL_CUR = 30011, 48271
+SIGN_TRIGRAM_MUL_PREV2, SIGN_TRIGRAM_MUL_PREV, SIGN_TRIGRAM_MUL_CUR = 26801, 39779, 58699
+SIGN_ROWS = 8192
+# RECORD §3 "Size": the record's table, 84,602,880 rows (bigram half 42,301,440).
+RECORD_NGRAM_ROWS = 84_602_880
+# RECORD §3 "Injection": the scalar gates on x0_ngram start at 0.05.
+NGRAM_GATE_INIT = 0.05
+# The sign table is drawn from its own generator so that every rank and every run builds
+# the same table without communication (the record draws sign(N(0, 1)) from its global
+# RNG stream and broadcasts it; only the ±1 pattern matters).
+SIGN_TABLE_SEED = 20240520
+
+_INT32_WRAP = 1 << 32
+_INT32_MAX = (1 << 31) - 1
+
+
+def wrap_int32(x: Tensor) -> Tensor:
+    """Two's-complement wrap of int64 values to the int32 range (still int64)."""
+    return torch.remainder(x + (_INT32_MAX + 1), _INT32_WRAP) - (_INT32_MAX + 1)
+
+
+def _mul32(a: int, x: Tensor) -> Tensor:
+    # Products of a token id (< 2^16 in practice, any int32 in general) and a 16-bit
+    # multiplier stay far inside int64, so wrapping after the product is exact.
+    return wrap_int32(a * x)
+
+
+def _shift(x: Tensor, k: int) -> Tensor:
+    """x_{t-k} (0 where t < k; those positions are overridden by the caller)."""
+    out = torch.zeros_like(x)
+    if x.shape[0] > k:
+        out[k:] = x[:-k]
+    return out
+
+
+def bigram_half(ngram_rows: int) -> int:
+    """H, the number of bigram rows (the first half of the table)."""
+    check_ngram_rows(ngram_rows)
+    return ngram_rows // 2
+
+
+def check_ngram_rows(ngram_rows: int) -> None:
+    """Raise a clear error unless ``ngram_rows`` is a usable table size."""
+    if ngram_rows < 4 or ngram_rows % 2:
+        raise ValueError(
+            f"model.gpt.ngram_rows={ngram_rows}: the table needs an even number of rows >= 4 "
+            f"(bigram half + trigram half; the record uses {RECORD_NGRAM_ROWS:,}); use 0 to switch it off"
+        )
+
+
+def ngram_row_ids(input_ids: Tensor, ngram_rows: int) -> Tensor:
+    """Table rows of every token's bigram and trigram, ``[2, T]`` int64.
+
+    Row 0 of the result is the bigram row ``((36313·x_t) ^ (27191·x_{t-1})) mod M`` with
+    ``M = H - 1`` and the reserved row ``M`` at t = 0; row 1 is the trigram row
+    ``H + (((17351·x_t) ^ (60961·x_{t-1}) ^ (45259·x_{t-2})) mod M)`` with the reserved
+    row ``ngram_rows - 1`` for t < 2 (RECORD §3). Arithmetic is int32 with wrap-around
+    and the modulo is a floor modulo (non-negative). ``input_ids`` is the packed
+    sequence [T]; hashes cross document boundaries.
+    """
+    h = bigram_half(ngram_rows)
+    m = h - 1
+    x = input_ids.reshape(-1).long()
+    x1, x2 = _shift(x, 1), _shift(x, 2)
+    big = torch.remainder(_mul32(BIGRAM_MUL_CUR, x) ^ _mul32(BIGRAM_MUL_PREV, x1), m)
+    tri = h + torch.remainder(
+        _mul32(TRIGRAM_MUL_CUR, x) ^ _mul32(TRIGRAM_MUL_PREV, x1) ^ _mul32(TRIGRAM_MUL_PREV2, x2), m
+    )
+    big[:1] = m
+    tri[:2] = ngram_rows - 1
+    return torch.stack([big, tri])
+
+
+def ngram_sign_rows(input_ids: Tensor) -> Tensor:
+    """Rows of the sign table for every token's bigram and trigram, ``[2, T]`` int64.
+
+    Bigram: ``((30011·x_{t-1}) ^ (48271·x_t)) & 8191``, 0 at t = 0; trigram:
+    ``((26801·x_{t-2}) ^ (39779·x_{t-1}) ^ (58699·x_t)) & 8191``, 0 for t < 2 (RECORD §3).
+    """
+    x = input_ids.reshape(-1).long()
+    x1, x2 = _shift(x, 1), _shift(x, 2)
+    mask = SIGN_ROWS - 1
+    big = (_mul32(SIGN_BIGRAM_MUL_PREV, x1) ^ _mul32(SIGN_BIGRAM_MUL_CUR, x)) & mask
+    tri = (_mul32(SIGN_TRIGRAM_MUL_PREV2, x2) ^ _mul32(SIGN_TRIGRAM_MUL_PREV, x1) ^ _mul32(SIGN_TRIGRAM_MUL_CUR, x)) & mask
+    big[:1] = 0
+    tri[:2] = 0
+    return torch.stack([big, tri])
+
+
+def make_sign_table(dim: int, rows: int = SIGN_ROWS, seed: int = SIGN_TABLE_SEED) -> Tensor:
+    """The fixed ±1 table ``[rows, dim]`` (fp32), the same on every rank and run."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.where(torch.rand(rows, dim, generator=gen) < 0.5, -1.0, 1.0)
+
+
+def compact_rows(row_ids: Tensor, pad_to: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Sorted unique rows of ``row_ids`` and the position of every id among them.
+
+    Returns ``(unique [U], index shaped like row_ids)``. ``pad_to`` only checks that the
+    caller's padded leaf (see :func:`padded_leaf`) can hold ``U`` rows.
+    """
+    unique, inverse = torch.unique(row_ids.reshape(-1), sorted=True, return_inverse=True)
+    if pad_to is not None and unique.numel() > pad_to:
+        raise ValueError(f"{unique.numel()} unique rows do not fit the padded buffer of {pad_to} rows")
+    return unique, inverse.view(row_ids.shape)
+
+
+def padded_leaf(values: Tensor, pad_to: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``values`` [U, D] as a fresh leaf that requires grad, optionally zero-padded to ``pad_to`` rows.
+
+    Padding keeps the leaf's shape fixed across steps (``torch.compile`` and CUDA graphs
+    then see one shape); padded rows are never indexed, so their gradient is zero.
+    """
+    values = values.detach().to(dtype)
+    if pad_to is not None and pad_to > values.shape[-2]:
+        pad = values.new_zeros(*values.shape[:-2], pad_to - values.shape[-2], values.shape[-1])
+        values = torch.cat([values, pad], dim=-2)
+    return values.contiguous().requires_grad_(True)
+
+
+@dataclass
+class NgramInput:
+    """The n-gram rows one micro-batch reads (built by the caller; see the module docstring).
+
+    Attributes:
+        values: compact table rows ``[U (+ padding), D]``, a leaf requiring grad when training.
+        index: ``[2, T]`` position in ``values`` of each token's bigram (row 0) and trigram (row 1) row.
+        sign_rows: ``[2, T]`` rows of the sign table for the bigram and trigram.
+        rows: ``[U]`` the global table rows of ``values[:U]``, sorted (for the exchange; unused by the model).
+    """
+
+    values: Tensor
+    index: Tensor
+    sign_rows: Tensor
+    rows: Optional[Tensor] = None
+
+    @property
+    def num_unique(self) -> int:
+        return self.values.shape[0] if self.rows is None else self.rows.numel()
+
+
+@dataclass
+class CompactRows:
+    """Value-embedding rows of one micro-batch: every plane read at the batch's unique token ids.
+
+    Attributes:
+        values: ``[planes, U (+ padding), D]``, a leaf requiring grad when training.
+        index: ``[T]`` position of each token's id among the unique ids.
+        ids: ``[U]`` the unique token ids, sorted.
+    """
+
+    values: Tensor
+    index: Tensor
+    ids: Optional[Tensor] = None
+
+
+def prepare_ngram_input(input_ids: Tensor, ngram_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Host-side preparation of a micro-batch: ``(unique_rows [U], index [2, T], sign_rows [2, T])``."""
+    rows = ngram_row_ids(input_ids, ngram_rows)
+    unique, index = compact_rows(rows)
+    return unique, index, ngram_sign_rows(input_ids)
+
+
+def compact_value_rows(tables: list[Tensor], input_ids: Tensor, pad_to: Optional[int] = None,
+                       dtype: torch.dtype = torch.float32) -> CompactRows:
+    """Gather the unique token ids of ``input_ids`` from every value-embedding table as one leaf."""
+    ids, index = compact_rows(input_ids.long(), pad_to)
+    values = torch.stack([t.detach()[ids] for t in tables]) if tables else None
+    return CompactRows(values=padded_leaf(values, pad_to, dtype), index=index, ids=ids)
+
+
+class HashedNgramEmbedding(nn.Module):
+    """x0_ngram from the compact rows a micro-batch needs (no parameters of its own).
+
+    The table lives outside the model (sharded over ranks); this module holds only the
+    fixed sign table as a buffer. Output is summed in fp32 and returned in ``dtype``.
+
+    Args:
+        dim: row width (the model dim).
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("signs", make_sign_table(dim))
+
+    def forward(self, ngram: NgramInput, dtype: torch.dtype) -> Tensor:
+        values = ngram.values
+        if values.shape[-1] != self.dim:
+            raise ValueError(f"n-gram rows have width {values.shape[-1]}, the model expects {self.dim}")
+        rows = F.embedding(ngram.index, values.float())  # [2, T, D]; backward sums per unique row
+        signs = F.embedding(ngram.sign_rows, self.signs.float())
+        return (rows * signs).sum(0).to(dtype)
+
+
+def dense_ngram_reference(table: Tensor, input_ids: Tensor, signs: Tensor) -> Tensor:
+    """x0_ngram read straight from a full table (tests and tiny tables): W[b]⊙S[si] + W[c]⊙S[ss]."""
+    rows = ngram_row_ids(input_ids, table.shape[0])
+    sr = ngram_sign_rows(input_ids)
+    out = table[rows[0]].float() * signs[sr[0]].float() + table[rows[1]].float() * signs[sr[1]].float()
+    return out
