@@ -217,16 +217,23 @@ def write_corpus(directory: Path, docs: list[str], key: str) -> CorpusInfo:
     return info
 
 
-def build_corpus(root: Optional[os.PathLike] = None, force: bool = False, progress: bool = False) -> CorpusInfo:
+def build_corpus(
+    root: Optional[os.PathLike] = None,
+    force: bool = False,
+    progress: bool = False,
+    sources: Optional[list[tuple[str, bytes]]] = None,
+) -> CorpusInfo:
     """The quickstart corpus: built on first use (atomically), then reused from the cache.
 
     Args:
         root: the cache directory holding one folder per corpus key (default :func:`cache_root`).
         force: rebuild even when a complete copy exists.
         progress: print a line while building.
+        sources: (relative path, bytes) of the ``.py`` files to read docstrings from; default
+            the whole standard library (:func:`stdlib_sources`). The key covers them.
     """
     root = Path(root) if root is not None else cache_root()
-    sources = stdlib_sources()
+    sources = stdlib_sources() if sources is None else sources
     key = corpus_key(sources)
     target = root / key
     if not force:

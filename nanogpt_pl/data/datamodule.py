@@ -89,7 +89,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             self._corpus_files(build=True)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = self.trainer
         if trainer is not None:
             self.world_size, self.rank = trainer.world_size, trainer.global_rank
         if stage in (None, "fit"):
@@ -101,7 +101,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     # -- loaders -------------------------------------------------------------------------
     def _consumed_steps(self) -> Optional[Callable[[], int]]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = self.trainer
         if trainer is None:
             return None
         # Batches trained so far, counted by the fit loop (saved in and restored from
@@ -114,7 +114,7 @@ class SpeedrunDataModule(L.LightningDataModule):
     def stop_step(self) -> int:
         """The stream's last step + 1: the schedule's end, or ``trainer.max_steps`` if smaller."""
         stop = self.schedule.total_steps
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = self.trainer
         if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
             stop = min(stop, trainer.max_steps)
         return stop
