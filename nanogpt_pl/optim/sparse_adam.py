@@ -1,0 +1,244 @@
+"""Adam for the sparse channels: lazy row-wise Adam for the n-gram table, shard Adam for value embeddings.
+
+**Lazy row-wise Adam** (RECORD §4). The n-gram table (84.6M rows in the record) is
+updated with Adam at β₁ = 0 and one second-moment value per row, the mean over the
+row of the squared gradient. Event ``j`` (the j-th update, counted from 1) does, for
+every row ``r`` that received a gradient ``g`` this cycle:
+
+1. ``v_r ← v_r · ∏_{i = le_r + 1}^{j - 1} β₂⁽ⁱ⁾``: the decay of the events the row slept
+   through, in closed form (``β₂^k`` while β₂ is constant; the exact product over the
+   per-event values when β₂ changed, kept as a short list of constant segments);
+2. ``v_r ← β₂ v_r + (1 - β₂)·mean_d(g_d²)``;
+3. ``u = g / (√v_r + ε) · η·√(1 - β₂ʲ)`` (bias correction by the global event count ``j``
+   and the current β₂, as the record does; β₁ = 0 needs no first-moment correction);
+4. cautious decay ``u_d += η²·λ·p_d`` where ``u_d·p_d > 0`` (RECORD §4, §8: the effective
+   decay is (lr·lr_mul)² · weight_decay · wd_mul);
+5. ``p ← p - u``; ``le_r ← j``.
+
+Why it is exact: with β₁ = 0 a row without gradient has ``u = 0``, so its cautious mask
+is off and it does not move; it only owes the second-moment decay, which step 1
+replays when the row is next touched. Hence this update equals dense Adam over the
+whole table (zero gradient for untouched rows, the same row-mean second moment and the
+same per-event bias correction) while reading and writing only the touched rows
+(``tests/test_sparse_adam.py`` checks it in fp64).
+
+**Shard Adam for value embeddings** (RECORD §5): ordinary Adam (β₁ = 0.75) over the rows
+a rank owns; β₁ > 0 moves rows without gradient, so every owned row is updated, but
+the gradient terms are added only at the touched rows (no dense gradient buffer).
+
+:class:`SparseAdam` is the ``sparse`` part of the
+:class:`~nanogpt_pl.optim.combined.CombinedOptimizer`: its param groups carry lr,
+betas and multipliers (so the schedule's lr scale reaches them) and its ``step`` runs
+one event of each channel. From the cadence engage step (RECORD §5: 336) the channels
+update every 4th step instead of every 2nd; each event then stands for twice as many
+steps, so betas are squared and the weight-decay multiplier doubled (the per-event
+equivalents of the per-step settings, RECORD §5), via :meth:`SparseAdam.set_cadence_engaged`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+# RECORD §3 "LR multiplier 70" and §4/§5: the sparse channels' Adam settings.
+SPARSE_LR_MUL = 70.0
+NGRAM_BETA2 = 0.95  # RECORD §4: β₂ 0.95 (β₁ = 0 enforced)
+VALUE_EMBED_BETAS = (0.75, 0.95)  # RECORD §5
+SPARSE_WD_MUL = 5.0  # RECORD §4/§5: wd_mul 5, doubled to 10 when the cadence engages
+SPARSE_EPS = 1e-10  # RECORD §4
+# Rows updated per chunk by the value-embedding shard Adam, bounding its fp32 temporaries.
+DENSE_CHUNK_ROWS = 1 << 16
+
+
+class LazyRowAdam:
+    """Row-wise Adam state of one table shard: a second moment and a last-event stamp per row.
+
+    Args:
+        num_rows: rows of the shard.
+        device: where the state lives (the shard's device).
+        dtype: dtype of the second moment and of the update arithmetic (fp32; fp64 in tests).
+    """
+
+    def __init__(self, num_rows: int, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.v = torch.zeros(num_rows, dtype=dtype, device=device)
+        # int32 as in the record: 4 bytes per row (42 MB for a record-size shard).
+        self.last_event = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        self.event = 0
+        # (first event, β₂) of each run of events with the same β₂; replays multiply across runs.
+        self.beta2_segments: list[tuple[int, float]] = []
+
+    def _record_beta2(self, event: int, beta2: float) -> None:
+        if not self.beta2_segments or self.beta2_segments[-1][1] != beta2:
+            self.beta2_segments.append((event, float(beta2)))
+
+    def decay_since(self, last_event: Tensor, event: int) -> Tensor:
+        """∏ β₂⁽ⁱ⁾ over the events ``last_event + 1 .. event - 1`` each row slept through."""
+        le = last_event.to(torch.int64)
+        factor = torch.ones(le.shape, dtype=self.dtype, device=le.device)
+        bounds = [s for s, _ in self.beta2_segments[1:]] + [event]
+        for (start, beta2), next_start in zip(self.beta2_segments, bounds):
+            lo = torch.clamp(le + 1, min=start)
+            hi = min(event - 1, next_start - 1)
+            n = torch.clamp(hi - lo + 1, min=0)
+            # β^0 is exactly 1, so rows outside the run are unaffected (and no host sync is needed).
+            factor = factor * torch.pow(torch.tensor(beta2, dtype=self.dtype, device=le.device), n.to(self.dtype))
+        return factor
+
+    @torch.no_grad()
+    def update_(self, table: Tensor, rows: Tensor, grad: Tensor, lr: float, beta2: float, eps: float,
+                weight_decay: float) -> None:
+        """One event: update ``table[rows]`` with ``grad`` (rows unique, local to the shard).
+
+        Args:
+            table: the shard ``[num_rows, D]`` (updated in place; only ``rows`` are read or written).
+            rows: unique local row indices ``[n]`` (int64).
+            grad: the merged gradient of those rows ``[n, D]`` (already averaged over ranks).
+            lr: η, the full learning rate (base lr · schedule · lr_mul).
+            beta2: this event's β₂.
+            eps: added to √v.
+            weight_decay: λ = weight_decay · wd_mul; the decay per event is η²·λ.
+        """
+        j = self.event + 1
+        self._record_beta2(j, beta2)
+        self.event = j
+        if rows.numel() == 0:
+            return
+        p = table.index_select(0, rows).to(self.dtype)
+        v = self.v.index_select(0, rows) * self.decay_since(self.last_event.index_select(0, rows), j)
+        g = grad.to(self.dtype)
+        v = beta2 * v + (1 - beta2) * g.square().mean(-1)
+        u = g / (v.sqrt() + eps).unsqueeze(-1) * (lr * math.sqrt(1 - beta2**j))
+        if weight_decay:
+            u = u + torch.where(u * p > 0, p * (lr * lr * weight_decay), torch.zeros_like(p))
+        table.index_copy_(0, rows, (p - u).to(table.dtype))
+        self.v.index_copy_(0, rows, v)
+        self.last_event.index_fill_(0, rows, j)
+
+    @torch.no_grad()
+    def replay_all_(self) -> None:
+        """Bring every row's second moment to the current event (for inspection or export)."""
+        if self.event:
+            self.v.mul_(self.decay_since(self.last_event, self.event + 1))
+            self.last_event.fill_(self.event)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": self.v, "last_event": self.last_event, "event": self.event,
+                "beta2_segments": [list(s) for s in self.beta2_segments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["v"].shape != self.v.shape:
+            raise ValueError(f"row Adam state has {state['v'].shape[0]} rows, this shard {self.v.shape[0]}")
+        self.v.copy_(state["v"])
+        self.last_event.copy_(state["last_event"])
+        self.event = int(state["event"])
+        self.beta2_segments = [(int(s), float(b)) for s, b in state["beta2_segments"]]
+
+
+@torch.no_grad()
+def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor, step: int,
+                lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Adam over every row of ``param`` with a gradient that is zero except at ``rows``.
+
+    The record's Adam form (RECORD §8, the dense groups): m ← β₁m + (1-β₁)g,
+    v ← β₂v + (1-β₂)g², u = m/(√v + ε)·lr·√(1-β₂ᵗ)/(1-β₁ᵗ), cautious decay lr²·λ where
+    u·p > 0, p ← p - u. ``rows`` must be unique; ``grad`` is ``[len(rows), D]``.
+    """
+    beta1, beta2 = betas
+    exp_avg.mul_(beta1)
+    exp_avg_sq.mul_(beta2)
+    if rows.numel():
+        g = grad.to(exp_avg.dtype)
+        exp_avg.index_add_(0, rows, g, alpha=1 - beta1)
+        exp_avg_sq.index_add_(0, rows, g * g, alpha=1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    decay = lr * lr * weight_decay
+    for a in range(0, param.shape[0], DENSE_CHUNK_ROWS):
+        b = min(param.shape[0], a + DENSE_CHUNK_ROWS)
+        p = param[a:b].to(exp_avg.dtype)
+        u = exp_avg[a:b] / (exp_avg_sq[a:b].sqrt() + eps) * step_size
+        if decay:
+            u = u + torch.where(u * p > 0, p * decay, torch.zeros_like(p))
+        param[a:b].copy_((p - u).to(param.dtype))
+
+
+class SparseChannel(Protocol):
+    """What :class:`SparseAdam` drives: an object with parameters and an event ``step``."""
+
+    params: list
+
+    def step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None: ...
+
+
+class SparseAdam(torch.optim.Optimizer):
+    """The optimizer part of the sparse channels (n-gram table, value embeddings).
+
+    Every ``step()`` is one event of every channel: the owner ranks merge the cycle's
+    gradients and update their rows. Call it only on the schedule's sparse steps
+    (``Schedule.sparse_step``); in between, the channels keep accumulating.
+
+    Args:
+        channels: name -> channel (``ngram``: an ``NgramShard``; ``value_embeds``: a ``ValueEmbedShard``).
+        lr: base learning rate (RECORD §8: 0.008), scaled by the schedule through ``group['lr']``.
+        eps: Adam's ε.
+        weight_decay: decay per unit lr², times each group's ``wd_mul``.
+        groups: name -> dict(lr_mul, betas, wd_mul) overriding the record's settings.
+    """
+
+    def __init__(self, channels: dict[str, SparseChannel], lr: float = 0.008, eps: float = SPARSE_EPS,
+                 weight_decay: float = 0.005, groups: Optional[dict[str, dict]] = None) -> None:
+        if not channels:
+            raise ValueError("SparseAdam needs at least one channel")
+        record = {"ngram": dict(lr_mul=SPARSE_LR_MUL, betas=(0.0, NGRAM_BETA2), wd_mul=SPARSE_WD_MUL),
+                  "value_embeds": dict(lr_mul=SPARSE_LR_MUL, betas=VALUE_EMBED_BETAS, wd_mul=SPARSE_WD_MUL)}
+        param_groups = []
+        for name, channel in channels.items():
+            settings = dict(record.get(name, record["value_embeds"]))
+            settings.update((groups or {}).get(name, {}))
+            settings["betas"] = tuple(settings["betas"])
+            param_groups.append(dict(params=list(channel.params), name=name, **settings))
+        super().__init__(param_groups, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self.channels = dict(channels)
+        self.cadence_engaged = False
+
+    def set_cadence_engaged(self, engaged: bool) -> None:
+        """Square the betas and double ``wd_mul`` from now on (RECORD §5)."""
+        self.cadence_engaged = bool(engaged)
+
+    def event_settings(self, group: dict) -> tuple[float, tuple[float, float], float]:
+        """(lr, betas, weight_decay) one event of ``group`` uses now."""
+        beta1, beta2 = group["betas"]
+        wd_mul = group["wd_mul"]
+        if self.cadence_engaged:
+            beta1, beta2, wd_mul = beta1**2, beta2**2, 2 * wd_mul
+        return group["lr"] * group["lr_mul"], (beta1, beta2), group["weight_decay"] * wd_mul
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, betas, wd = self.event_settings(group)
+            self.channels[group["name"]].step(lr=lr, betas=betas, eps=group["eps"], weight_decay=wd)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: the channels' gradient queues are consumed by ``step``."""
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["cadence_engaged"] = self.cadence_engaged
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.cadence_engaged = bool(state_dict.pop("cadence_engaged", False))
+        super().load_state_dict(state_dict)
+
