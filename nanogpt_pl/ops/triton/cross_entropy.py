@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements per inner-loop step on the GPU: 4096 bf16 logits = 8 KiB per step, 16 per
-# thread at 8 warps, i.e. two 16-byte vector loads per thread per step.
-DEFAULT_BLOCK_P = 4096
+# Columns per inner-loop step on the GPU: 2048 bf16 logits = 4 KiB, 8 per thread at 8
+# warps (one 16-byte vector load each). Every sampled P is a multiple of 2048 (RECORD §6),
+# so sampled rows have no masked tail; the full 50,304 wastes 1.7 % in its last step.
+# `benchmarks/lm_head_loss.py --block-sweep` times the alternatives.
+DEFAULT_BLOCK_P = 2048
 DEFAULT_NUM_WARPS = 8
 
 
