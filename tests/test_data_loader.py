@@ -206,6 +206,28 @@ def test_data_exhausted(tmp_path):
     assert 0 < served < 50
 
 
+def test_explicit_epochs_repeat_the_shards(tmp_path):
+    T = 32
+    sched = small_schedule([(200, 2 * T, T, 64)])
+    paths = write_random_shards(tmp_path, 52, n_shards=2, docs_per_shard=60, mean_len=20)
+    tokens = [read_tokens(p) for p in paths]
+    with pytest.raises(DataExhaustedError, match="data.epochs"):
+        _take(_stream(paths, sched), 200)
+    ref = reference_slices(tokens * 3, sched, 41)  # three passes, in the same order
+    stream = _stream(paths, sched, epochs=3)
+    got = _take(stream, 40)
+    for step in range(40):
+        for i, mb in enumerate(got[step]):
+            np.testing.assert_array_equal(mb["inputs"].numpy(), ref[step][i][0][:-1])
+    state = stream.state_dict()
+    assert state["step"] == 40 and state["shard"] >= 2  # into the second pass
+    resumed = _stream(paths, sched, epochs=3)
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(_take(resumed, 1)[0][0]["inputs"].numpy(), ref[40][0][0][:-1])
+    with pytest.raises(DataExhaustedError, match=r"in 3 passes \(data.epochs\)"):
+        _take(_stream(paths, sched, epochs=3), 200)
+
+
 def test_token_above_vocab_raised_from_thread(tmp_path):
     T = 32
     sched = small_schedule([(40, 2 * T, T, 64)])

@@ -34,6 +34,9 @@ class SpeedrunDataModule(L.LightningDataModule):
         val_seq_len: validation tokens per rank per batch (the record: 262,144).
         vocab_size: every token id in the shards must be below it (GPT-2: 50,257).
         prefetch: training steps prepared ahead on a background thread.
+        epochs: passes over the training shards. 1 (the default) stops with an error when
+            the data runs out; more repeats the shards in the same order, for corpora smaller
+            than the schedule's token count.
         schedule: batch tokens, sequence length and document cap per step (linked from the
             top-level ``schedule`` section by the CLI; the record's table if omitted).
     """
@@ -47,6 +50,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         val_seq_len: int = RECORD_VAL_SEQ_LEN,
         vocab_size: int = VOCAB_SIZE,
         prefetch: int = 8,
+        epochs: int = 1,
         schedule: Optional[Schedule] = None,
     ):
         super().__init__()
@@ -54,6 +58,8 @@ class SpeedrunDataModule(L.LightningDataModule):
             raise ValueError(f"data.corpus={corpus!r} is unknown; the embedded corpora are {list(CORPORA)}")
         if prefetch < 1:
             raise ValueError(f"data.prefetch must be >= 1, got {prefetch}")
+        if epochs < 1:
+            raise ValueError(f"data.epochs must be >= 1, got {epochs}")
         self.save_hyperparameters(ignore=["schedule"])
         self.train_files = train_files
         self.val_files = val_files
@@ -62,6 +68,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         self.val_seq_len = val_seq_len
         self.vocab_size = vocab_size
         self.prefetch = prefetch
+        self.epochs = epochs
         self.schedule = schedule if schedule is not None else Schedule()
         self.world_size = 1
         self.rank = 0
@@ -139,6 +146,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             start_step=consumed() if consumed is not None else 0,
             stop_step=self.stop_step(),
             consumed_steps=consumed,
+            epochs=self.epochs,
         )
         return self._stream
 

@@ -182,10 +182,10 @@ class ShardSet:
             return fut
 
     def get(self, i: int) -> IndexedShard:
-        """Shard ``i`` with its document index; starts indexing shard ``i + 1``."""
+        """Shard ``i`` with its document index; starts indexing the shard after it."""
         fut = self._future(i)
-        if i + 1 < len(self.paths):
-            self._future(i + 1)
+        if len(self.paths) > 1:
+            self._future((i + 1) % len(self.paths))
         return fut.result()
 
     def close(self) -> None:
@@ -254,12 +254,19 @@ def plan_slices(
 
 
 class DocumentWalker:
-    """Plans the slices of each step from a cursor, following the schedule's shapes."""
+    """Plans the slices of each step from a cursor, following the schedule's shapes.
 
-    def __init__(self, shards: ShardSet, schedule: Schedule, world_size: int):
+    The cursor's shard number counts on through repeated passes (``epochs > 1``): shard
+    ``k`` of the stream is file ``k % len(shards)``.
+    """
+
+    def __init__(self, shards: ShardSet, schedule: Schedule, world_size: int, epochs: int = 1):
+        if epochs < 1:
+            raise ValueError(f"data.epochs must be >= 1, got {epochs}")
         self.shards = shards
         self.schedule = schedule
         self.world_size = world_size
+        self.epochs = epochs
 
     def slices_per_step(self, step: int) -> int:
         return self.world_size * self.schedule.grad_accum(step, self.world_size)
@@ -272,20 +279,21 @@ class DocumentWalker:
         if max_doc_len <= 0:
             raise ValueError(f"schedule: max_doc_len must be positive at step {step}, got {max_doc_len}")
         c = cursor
-        while c.shard < len(self.shards):
-            shard = self.shards.get(c.shard)
+        while c.shard < len(self.shards) * self.epochs:
+            shard = self.shards.get(c.shard % len(self.shards))
             cut = plan_slices(shard, c.bos, n_slices, seq_len, max_doc_len)
             if cut is not None:
                 starts, lengths, pos = cut
                 return StepPlan(step, seq_len, shard, starts, lengths, c, Cursor(c.shard, pos))
             c = Cursor(c.shard + 1, 0)
+        passes = f" in {self.epochs} passes (data.epochs)" if self.epochs > 1 else ""
         raise DataExhaustedError(
             f"the training data ran out at step {step}: steps 0..{step - 1} were served from "
-            f"{len(self.shards)} shard(s) of {self.shards.option} ({self.shards.total_tokens:,} tokens), "
+            f"{len(self.shards)} shard(s) of {self.shards.option} ({self.shards.total_tokens:,} tokens){passes}, "
             f"and step {step} needs {self.schedule.batch_tokens(step):,} more. Add shards (e.g. "
             f"`nanogpt-pl data fineweb --train-shards N` with a larger N, or more text through "
-            f"`nanogpt-pl data prepare`) or train fewer steps (--trainer.max_steps, schedule.stages). "
-            f"The stream never repeats data silently."
+            f"`nanogpt-pl data prepare`), train fewer steps (--trainer.max_steps, schedule.stages), or "
+            f"repeat the data explicitly with data.epochs; it is never repeated silently."
         )
 
 
@@ -445,6 +453,8 @@ class TrainStream:
         vocab_size: every token id must be below it.
         prefetch: steps prepared ahead on a background thread.
         start_step: the first step (the cursor is advanced over the earlier steps).
+        epochs: passes over the shards; after the last shard the stream starts again at the
+            first (the default 1 stops with an error when the data runs out).
         stop_step: the stream ends before this step (default ``schedule.total_steps``).
         consumed_steps: a counter that grows by one per trained step (the data module passes
             the fit loop's processed-batch count); ``start_step`` (or the step of the last
@@ -467,6 +477,7 @@ class TrainStream:
         consumed_steps: Optional[Callable[[], int]] = None,
         pin_memory: Optional[bool] = None,
         option: str = "data.train_files",
+        epochs: int = 1,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -480,7 +491,7 @@ class TrainStream:
         self.prefetch = prefetch
         self.stop_step = self.schedule.total_steps if stop_step is None else int(stop_step)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.walker = DocumentWalker(self.shards, self.schedule, world_size)
+        self.walker = DocumentWalker(self.shards, self.schedule, world_size, epochs)
         self._consumed_steps = consumed_steps
         self._lock = threading.Lock()
         # cursor before each recent step; step 0 always starts at the first BOS of shard 0
@@ -562,15 +573,18 @@ class TrainStream:
         """The cursor of the first untrained step, plus the shard names for a consistency check."""
         step = self.consumed()
         cursor = self.cursor_at(step)
-        shard_names = [p.name for p in self.shards.paths[: cursor.shard + 1]]
+        shard_names = self._names_through(cursor.shard)
         return {"format": STATE_FORMAT, "step": step, "shard": cursor.shard, "bos": cursor.bos, "shards": shard_names}
+
+    def _names_through(self, shard: int) -> list[str]:
+        return [p.name for p in self.shards.paths[: min(shard, len(self.shards) - 1) + 1]]
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved step, with the data that step would have had."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"training stream state has format {state.get('format')!r}, expected {STATE_FORMAT}")
         step, cursor = int(state["step"]), Cursor(int(state["shard"]), int(state["bos"]))
-        names = [p.name for p in self.shards.paths[: cursor.shard + 1]]
+        names = self._names_through(cursor.shard)
         if list(state["shards"]) != names:
             raise ShardError(
                 f"the checkpoint's data stream was in shard {cursor.shard} with shards {state['shards']}, but "
