@@ -487,3 +487,19 @@ def test_prefix_table_without_private_ranks(encoding):
         decode_single_token_bytes = staticmethod(encoding.decode_single_token_bytes)
 
     assert torch.equal(build_prefix_table(Public()), build_prefix_table(encoding))
+
+
+def test_autocast_runs_the_gemms_in_its_dtype():
+    x, w, t, pf = make_problem(12)
+    want = loss_and_grads(lambda a, b: lm_head_loss(a, b, t, backend="reference"),
+                          x.bfloat16().float(), w.bfloat16().float())
+
+    def under_autocast(a, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lm_head_loss(a, b, t, backend="chunked", chunk_rows=40)
+
+    got = loss_and_grads(under_autocast, x, w)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+    # bf16 logits and a bf16 gradient: ~3e-3 of difference, where fp32 GEMMs would give ~1e-7.
+    assert 1e-5 < rel(got[1], want[1]) < 2e-2 and rel(got[2], want[2]) < 2e-2
+    assert abs(got[0].item() - want[0].item()) < 1e-3 * want[0].item()

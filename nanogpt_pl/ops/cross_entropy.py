@@ -328,8 +328,17 @@ def _term_table(
         tpos[:, k_mtp] = torch.where(pf_ok, pf_pos, -1)
         weights.append(float(prefix_weight))
     weights += [0.0] * (width - len(weights))
-    tw = torch.tensor(weights, dtype=torch.float32).to(device, non_blocking=True)
+    tw = _to_device(torch.tensor(weights, dtype=torch.float32), device)
     return tpos, tw, n_terms, bad
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device copy that does not stall the host: staged through pinned memory."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _check_bad(bad: torch.Tensor, loss: torch.Tensor, sampled: bool, n_classes: int) -> torch.Tensor:
@@ -423,9 +432,11 @@ def _fused_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets
     grad_on = torch.is_grad_enabled()
     need_dx = grad_on and hidden.requires_grad
     need_dw = grad_on and weight.requires_grad
+    # Under autocast the GEMMs run in its dtype; inside, autocast is off so nothing else recasts.
+    compute_dtype = _compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
         loss = _FusedLinearSoftcapCE.apply(hidden, weight, candidates, tpos, tw, head, rows_fn,
-                                           rows, _compute_dtype(hidden), need_dx, need_dw)
+                                           rows, compute_dtype, need_dx, need_dw)
     return _check_bad(bad, loss, candidates is not None, n_classes)
 
 
@@ -535,10 +546,10 @@ def lm_head_loss(
     if backend not in BACKENDS:
         raise ValueError(f"lm_head_loss: unknown backend {backend!r}; choose one of {BACKENDS}")
     if candidates is not None:
-        candidates = _check_candidates(candidates, n_classes).to(hidden.device, non_blocking=True)
-    targets = targets.to(hidden.device).long()
+        candidates = _to_device(_check_candidates(candidates, n_classes), hidden.device)
+    targets = _to_device(targets, hidden.device).long()
     if prefix_targets is not None:
-        prefix_targets = prefix_targets.to(hidden.device).long()
+        prefix_targets = _to_device(prefix_targets, hidden.device).long()
 
     if backend == "auto":
         backend = "triton" if hidden.is_cuda else "reference"
