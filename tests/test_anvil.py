@@ -22,6 +22,15 @@ from nanogpt_pl.optim.polar import ANVIL_MAPS
 SEEDS = [0, 1, 2]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny matmuls on a shared 2-core machine run faster without intra-op threads
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_params(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     """A miniature of the record's matrices: a qk-like [2, 16, 12] in 8x12 blocks, square v/o,
     a tall fc and proj (proj with lr multiplier 2)."""

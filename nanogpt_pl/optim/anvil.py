@@ -86,6 +86,11 @@ _STATE_VERSION = 1
 _S_ONE_MINUS_FAST, _S_ONE_MINUS_SLOW, _S_BLEND, _S_MU, _S_ONE_MINUS_LANE, _S_EPS, _S_WD_LR, _S_LR = range(8)
 _N_SCALARS = 8
 
+# torch wraps Optimizer.add_param_group in _disable_dynamo, whose first call imports torch._dynamo
+# (seconds of CPU); the wrapped function does the same work without that import.
+_base_add_param_group = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
+                                torch.optim.Optimizer.add_param_group)
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -348,8 +353,14 @@ class Anvil(torch.optim.Optimizer):
 
     # -- construction ----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
+        _base_add_param_group(self, param_group)
         param_group.setdefault("initial_lr", param_group["lr"])
+        seen: set[int] = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"Anvil got the parameter of shape {tuple(p.shape)} twice; pass each matrix once")
+                seen.add(id(p))
         if getattr(self, "_ready", False):
             self._check_params()
             self._scalars = _ScalarStager(len(self.param_groups), self.device)
