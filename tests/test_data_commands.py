@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from data_fixtures import FakeHub, random_documents, read_tokens  # noqa: E402
+from data_fixtures import FakeHub, random_documents  # noqa: E402
 
 from nanogpt_pl.data import tokenizer  # noqa: E402
 from nanogpt_pl.data.commands import main  # noqa: E402

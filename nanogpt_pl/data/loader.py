@@ -287,8 +287,9 @@ class DocumentWalker:
                 return StepPlan(step, seq_len, shard, starts, lengths, c, Cursor(c.shard, pos))
             c = Cursor(c.shard + 1, 0)
         passes = f" in {self.epochs} passes (data.epochs)" if self.epochs > 1 else ""
+        served = f"steps 0..{step - 1} were served" if step > 0 else "not one step could be served"
         raise DataExhaustedError(
-            f"the training data ran out at step {step}: steps 0..{step - 1} were served from "
+            f"the training data ran out at step {step}: {served} from "
             f"{len(self.shards)} shard(s) of {self.shards.option} ({self.shards.total_tokens:,} tokens){passes}, "
             f"and step {step} needs {self.schedule.batch_tokens(step):,} more. Add shards (e.g. "
             f"`nanogpt-pl data fineweb --train-shards N` with a larger N, or more text through "
@@ -446,7 +447,7 @@ class TrainStream:
     both automatically for a train dataloader that has the two methods.
 
     Args:
-        files: training shards: a glob or a list of paths, in stream order.
+        files: training shards: a glob or a list of paths (or a :class:`ShardSet`), in stream order.
         schedule: batch tokens, sequence length and document cap per step.
         world_size: number of ranks ``W``.
         rank: this rank.
@@ -466,7 +467,7 @@ class TrainStream:
 
     def __init__(
         self,
-        files: Files,
+        files: Union[Files, ShardSet],
         schedule: Optional[Schedule] = None,
         world_size: int = 1,
         rank: int = 0,
