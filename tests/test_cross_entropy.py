@@ -55,15 +55,16 @@ def oracle_loss(x, w, t, mtp, pf=None, wp=0.0, cand=None):
     cls = torch.arange(v) if cand is None else cand
     pos = {int(c): i for i, c in enumerate(cls.tolist())}
     z = SOFTCAP_MAX * torch.sigmoid((x @ w[cls].t() + SOFTCAP_SHIFT) / SOFTCAP_WIDTH)
-    lse = torch.logsumexp(z, dim=1)
+    ce = torch.logsumexp(z, dim=1, keepdim=True) - z
     n = x.shape[0]
     total = x.new_zeros(())
-    for r in range(n):
-        for k, wk in enumerate(mtp):
-            if r + k < n:
-                total = total + wk * (lse[r] - z[r, pos[int(t[r + k])]])
-        if pf is not None and wp != 0.0 and int(pf[r]) >= 0 and int(pf[r]) in pos:
-            total = total + wp * (lse[r] - z[r, pos[int(pf[r])]])
+    for k, wk in enumerate(mtp):
+        rows = [r for r in range(n) if r + k < n]
+        cols = [pos[int(t[r + k])] for r in rows]
+        total = total + wk * ce[rows, cols].sum()
+    if pf is not None and wp != 0.0:
+        rows = [r for r in range(n) if int(pf[r]) >= 0 and int(pf[r]) in pos]
+        total = total + wp * ce[rows, [pos[int(pf[r])] for r in rows]].sum()
     return total / n
 
 
