@@ -114,3 +114,33 @@ def test_world_size_check(tmp_path, data_dir):
     dm.world_size = 2
     with pytest.raises(ValueError, match="not divisible by world_size 2"):
         dm.setup("fit")
+
+
+def test_batch_at_matches_the_stream_and_leaves_it_alone(tmp_path, data_dir):
+    sched = small_schedule([(4, 64, 32, 40), (16, 128, 32, 60)])
+    dm = _dm(data_dir, sched)
+    dm.world_size, dm.rank = 2, 1
+    dm.setup("fit")
+    straight = dm.train_dataloader()
+    it = iter(straight)
+    first = next(it)
+    for step in (9, 2, 0, 5):  # any order
+        probe = dm.batch_at(step)
+        ref = _take_one(dm, step)
+        assert [mb["step"] for mb in probe] == [step] * len(ref)
+        for a, b in zip(probe, ref):
+            assert torch.equal(a["inputs"], b["inputs"]) and torch.equal(a["cu_seqlens"], b["cu_seqlens"])
+    second = next(it)  # the training stream did not move
+    assert first[0]["step"] == 0 and second[0]["step"] == 1
+    dm.teardown("fit")
+
+
+def _take_one(dm: SpeedrunDataModule, step: int):
+    from nanogpt_pl.data.loader import TrainStream
+
+    s = TrainStream(dm.train_files, dm.schedule, world_size=dm.world_size, rank=dm.rank, start_step=step,
+                    pin_memory=False)
+    try:
+        return next(iter(s))
+    finally:
+        s.close()

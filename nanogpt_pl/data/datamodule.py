@@ -73,6 +73,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         self.world_size = 1
         self.rank = 0
         self._stream: Optional[TrainStream] = None
+        self._probe: Optional[TrainStream] = None
 
     # -- data location -----------------------------------------------------------------
     def _corpus_files(self, build: bool) -> tuple[str, str]:
@@ -165,9 +166,29 @@ class SpeedrunDataModule(L.LightningDataModule):
         )
 
     def teardown(self, stage: Optional[str] = None) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        for stream in (self._stream, self._probe):
+            if stream is not None:
+                stream.close()
+        self._stream = self._probe = None
+
+    def batch_at(self, step: int) -> list:
+        """This rank's micro-batches of ``step``, the data a straight run trains on at that step.
+
+        Built synchronously from a separate cursor (for warmup passes that run chosen steps
+        off the clock); the training stream handed to the trainer is untouched.
+        """
+        if self._probe is None:
+            train, _ = self.resolved_files()
+            if train is None:
+                raise ShardError(f"data.train_files is not set; {MAKE_DATA_HINT}")
+            self._probe = TrainStream(
+                train, self.schedule, world_size=self.world_size, rank=self.rank,
+                vocab_size=self.vocab_size, prefetch=1, epochs=self.epochs,
+            )
+        probe = self._probe
+        plan = probe.walker.plan(step, probe.cursor_at(step))
+        probe._remember(step + 1, plan.next_cursor)
+        return probe.micro_batches(plan)
 
     @property
     def train_stream(self) -> Optional[TrainStream]:
