@@ -13,6 +13,12 @@ Because slices are cut in the same global order whatever ``W`` and ``A`` are, on
 rank with 8 micro-batches sees exactly the data of 8 ranks with one each, and a
 cursor saved at one world size resumes at another.
 
+When a shard has too few documents left for the whole step, the step is dropped and
+cut again from the start of the next shard, as the record does. One difference: the
+record starts on an index of a shard's first 6M tokens while the full index is built
+in the background, and would move to the next shard early if that index ran out
+first (RECORD §15.8); here a shard is fully indexed before it is used.
+
 Validation: the first ``val_tokens`` (+1) tokens of the validation shards,
 contiguous and not BOS-aligned, cut into batches of ``W * val_seq_len``.
 """
