@@ -176,7 +176,9 @@ class _Emulated:
     def dpre(self, gq: Tensor, w_row: Tensor, g_scale: Tensor, w_scale: Tensor, post: Tensor,
              post_scale: Tensor, inv_dpre_scale: Tensor, dpre_amax: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         dpl = self.mm(gq, w_row, g_scale, w_scale, torch.bfloat16, False).float()
-        dpre = 2.0 * dpl * torch.sqrt(post.float() * post_scale)
+        # sqrt through fp64: correctly rounded like the kernels' sqrt_rn (the CPU's vectorized
+        # fp32 sqrt is occasionally one ulp off).
+        dpre = 2.0 * dpl * torch.sqrt((post.float() * post_scale).double()).float()
         torch.maximum(dpre_amax, dpre.abs().max(), out=dpre_amax)
         q = quantize(dpre, inv_dpre_scale, E5M2)
         return q, q.t()

@@ -1,0 +1,299 @@
+"""The FP8 Triton kernels and the whole fast FP8 path on the CPU, through ``TRITON_INTERPRET=1``.
+
+Triton chooses the interpreter when a kernel is defined, so the variable must be set before
+the kernel modules are imported: ``test_fp8_kernels_under_interpreter`` re-runs this file in
+a child pytest process with it set, and only there do the ``interp`` tests run.
+
+On the CPU, ``torch._scaled_mm`` exists too, so the child also runs the complete fast
+backend (Triton quantize/epilogue kernels + ``_scaled_mm``, padding, the dual layouts) and
+compares it with the emulated backend. The kernels round to the FP8 and bf16 grids with
+their own arithmetic (the interpreter's float conversions truncate), so the comparisons
+are exact wherever the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+
+SEEDS = (0, 1, 2)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SMALL_GEMM = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
+def test_fp8_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and re.search(r"\b1 skipped", summary), tail
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def same_values(a, b):
+    """Equal as numbers (+0 == -0); NaN positions must match."""
+    a, b = a.float(), b.float()
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def wide_range(shape, gen, lo=-12, hi=12):
+    """Values spread over many binades (both signs), so every FP8 rounding case shows up."""
+    mag = torch.exp2(torch.empty(shape).uniform_(lo, hi, generator=gen))
+    return mag * torch.randn(shape, generator=gen).sign()
+
+
+# ---------------------------------------------------------------------------------------
+# Quantization kernels
+# ---------------------------------------------------------------------------------------
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_dual_equals_reference(seed, dtype):
+    from nanogpt_pl.ops.fp8 import quantize
+    from nanogpt_pl.ops.triton.fp8_quant import quantize_dual
+
+    gen = torch.Generator().manual_seed(seed)
+    m, k = 70, 48
+    src = wide_range((k, m), gen).t()  # non-contiguous source
+    src[0, :4] = torch.tensor([1e30, -1e30, 1e-30, 0.0])
+    inv = torch.tensor(2.0 ** (seed - 1))
+    row, t, tiles = quantize_dual(src, inv, dtype, rows_out=80, tile_amax=True, block=(32, 16))
+    want = quantize(src, inv, dtype)
+    assert same_values(row[:m], want) and same_values(t[:, :m], want.t())
+    assert (row[m:].float() == 0).all() and (t[:, m:].float() == 0).all()
+    assert row.float().isfinite().all()
+    # One amax per (32, 16) tile of the output grid, of |src| before scaling.
+    padded = F.pad(src.abs(), (0, 0, 0, 96 - m))  # 3 row tiles of 32 cover the 80 output rows
+    want_tiles = padded.view(3, 32, 3, 16).amax(dim=(1, 3)).flatten()
+    assert torch.equal(tiles, want_tiles)
+
+
+if INTERPRETED:
+    import triton
+    import triton.language as tl
+
+    from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
+
+    @triton.jit
+    def _rounding_kernel(x_ptr, bf_ptr, e4_ptr, e5_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        tl.store(bf_ptr + offs, round_to_bf16(x), mask=mask)
+        tl.store(e4_ptr + offs, to_fp8(x, False), mask=mask)
+        tl.store(e5_ptr + offs, to_fp8(x, True), mask=mask)
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rounding_helpers_equal_torch_casts(seed):
+    gen = torch.Generator().manual_seed(seed)
+    every_e4 = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    every_e5 = torch.arange(256, dtype=torch.uint8).view(E5M2).float()
+    # The exact FP8 grid points, the midpoints between neighbours (ties), and random values.
+    grid = torch.cat([every_e4[every_e4.isfinite()], every_e5[every_e5.isfinite()]]).unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    # (No NaN here: the interpreter's own cast of NaN to e4m3 yields a number.)
+    x = torch.cat([grid, mids, wide_range((4000,), gen, -20, 17)])
+    n = x.numel()
+    bf, e4, e5 = torch.empty(n), torch.empty(n, dtype=E4M3), torch.empty(n, dtype=E5M2)
+    _rounding_kernel[(triton.cdiv(n, 1024),)](x, bf, e4, e5, n, BLOCK=1024)
+    assert same_values(bf, x.bfloat16().float())
+    assert same_values(e4, x.clamp(-448, 448).to(E4M3))
+    assert same_values(e5, x.clamp(-57344, 57344).to(E5M2))
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_elementwise_epilogues_equal_emulation(seed):
+    from nanogpt_pl.ops.fp8 import quantize
+    from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    m, n = 50, 72
+    pre = (3 * torch.randn(m, n, generator=gen)).bfloat16()
+    inv_ps = torch.tensor(0.37)
+    amax = torch.tensor(1e9)  # a larger running max survives
+    row, t = relu2_quantize(pre, inv_ps, amax, block=(32, 32))
+    post = F.relu(pre.float()).square()
+    assert same_values(row, quantize(post, inv_ps, E4M3)) and same_values(t, row.t())
+    assert float(amax) == 1e9
+    amax.zero_()
+    relu2_quantize(pre, inv_ps, amax, block=(32, 32))
+    assert torch.equal(amax, post.max())
+
+    dpl = (0.01 * torch.randn(m, n, generator=gen)).bfloat16()
+    ps, inv_ds, damax = torch.tensor(0.02), torch.tensor(3000.0), torch.zeros(())
+    drow, dt = dpre_quantize(dpl, row, ps, inv_ds, damax, block=(32, 32))
+    dpre = 2.0 * dpl.float() * torch.sqrt((row.float() * ps).double()).float()  # correctly rounded
+    assert same_values(drow, quantize(dpre, inv_ds, E5M2)) and same_values(dt, drow.t())
+    assert torch.equal(damax, dpre.abs().max())
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("k", [64, 80])
+def test_fused_gemm_epilogues_equal_emulation(seed, k):
+    from nanogpt_pl.ops.fp8 import _EMULATED
+    from nanogpt_pl.ops.triton.fp8_mlp import fp8_gemm_dpre, fp8_gemm_relu2
+
+    gen = torch.Generator().manual_seed(seed)
+    m, n = 96, 80  # several tiles, a partial K block when k = 80
+    # Small integers are exact in e4m3/e5m2 and their dot products are exact in fp32 in
+    # any order, so the kernel and the emulation must agree bit for bit.
+    x = torch.randint(-8, 9, (m, k), generator=gen).float().to(E4M3)
+    w = torch.randint(-8, 9, (n, k), generator=gen).float().to(E4M3)
+    xs, ws, inv_ps = torch.tensor(0.0625), torch.tensor(0.01), torch.tensor(1 / 0.03)
+    amax_k, amax_e = torch.zeros(()), torch.zeros(())
+    row, t = fp8_gemm_relu2(x, w, xs, ws, inv_ps, amax_k, config=SMALL_GEMM)
+    erow, et = _EMULATED.up_relu2(x, w, xs, ws, inv_ps, amax_e, False)
+    assert same_values(row, erow) and same_values(t, et) and torch.equal(amax_k, amax_e)
+
+    g = torch.randint(-6, 7, (m, 64), generator=gen).float().to(E5M2)
+    w2 = torch.randint(-8, 9, (n, 64), generator=gen).float().to(E4M3)
+    gs, w2s, ps, inv_ds = torch.tensor(2.0**-6), torch.tensor(0.004), torch.tensor(0.03), torch.tensor(5e4)
+    d_k, d_e = torch.zeros(()), torch.zeros(())
+    drow, dt = fp8_gemm_dpre(g, w2, gs, w2s, row, ps, inv_ds, d_k, config=SMALL_GEMM)
+    erow2, et2 = _EMULATED.dpre(g, w2, gs, w2s, row, ps, inv_ds, d_e, False)
+    assert same_values(drow, erow2) and same_values(dt, et2) and torch.equal(d_k, d_e)
+
+    # Random values: fp32 sums in another order may flip a bf16 rounding now and then.
+    xr = (4 * torch.randn(m, k, generator=gen)).to(E4M3)
+    wr = (4 * torch.randn(n, k, generator=gen)).to(E4M3)
+    a1, a2 = torch.zeros(()), torch.zeros(())
+    r1, _ = fp8_gemm_relu2(xr, wr, xs, ws, inv_ps, a1, config=SMALL_GEMM)
+    r2, _ = _EMULATED.up_relu2(xr, wr, xs, ws, inv_ps, a2, False)
+    assert (r1.float() != r2.float()).float().mean() < 0.005
+    assert rel(r1.float(), r2.float()) < 0.01
+
+
+# ---------------------------------------------------------------------------------------
+# The whole fast path (Triton + torch._scaled_mm on the CPU) against the emulation
+# ---------------------------------------------------------------------------------------
+
+
+def _mlp_steps(fast, relu2_kernel, x0, w10, w20, gs):
+    from nanogpt_pl.ops import fp8 as f8
+
+    w1, w2 = torch.nn.Parameter(w10.clone()), torch.nn.Parameter(w20.clone())
+    state = f8.Fp8MLPState(backend="emulated", relu2_kernel=relu2_kernel)
+    if fast:
+        state._kernels_override = f8._FAST
+    out = []
+    for g in gs:
+        x = x0.clone().requires_grad_()
+        y = f8.fp8_mlp(x, w1, w2, state)
+        y.backward(g)
+        out.append((y.detach(), x.grad, w1.grad.clone(), w2.grad.clone(), state.post_scale.clone(),
+                    state.dpre_scale.clone(), state.w1_scale.clone(), state.w2_amax.clone()))
+        w1.grad = w2.grad = None
+        with torch.no_grad():
+            w1.mul_(1.02)
+            w2.mul_(0.98)
+    return out
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("relu2_kernel", ["elementwise", "gemm_epilogue"])
+def test_fast_mlp_equals_emulated_mlp(seed, relu2_kernel):
+    gen = torch.Generator().manual_seed(seed)
+    n, d, h = 72, 64, 96  # n is not a multiple of 16: the fast path pads and slices
+    x0 = F.rms_norm(torch.randn(n, d, generator=gen), (d,)).bfloat16()
+    w10 = (0.1 * torch.randn(h, d, generator=gen)).bfloat16()
+    w20 = (0.1 * torch.randn(h, d, generator=gen)).bfloat16()
+    gs = [torch.randn(n, d, generator=gen).bfloat16() for _ in range(2)]
+    fast = _mlp_steps(True, relu2_kernel, x0, w10, w20, gs)
+    emu = _mlp_steps(False, relu2_kernel, x0, w10, w20, gs)
+    # Same quantization and epilogue arithmetic; the GEMMs sum in another order, which can
+    # flip a bf16 rounding (2^-8 relative) here and there, and with it an FP8 rounding.
+    for step, (a, b) in enumerate(zip(fast, emu)):
+        for u, v in zip(a[:4], b[:4]):
+            assert rel(u, v) < 5e-3, step
+        for u, v in zip(a[4:], b[4:]):  # scales and amaxes
+            assert torch.allclose(u, v, rtol=1e-2, atol=0), step
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fast_linear_equals_emulated_linear(seed):
+    from nanogpt_pl.ops import fp8 as f8
+
+    gen = torch.Generator().manual_seed(seed)
+    n, d = 40, 64
+    x0 = F.rms_norm(torch.randn(n, d, generator=gen), (d,))
+    qk0, v0 = 0.1 * torch.randn(2, 32, d, generator=gen), 0.1 * torch.randn(32, d, generator=gen)
+    g = 0.01 * torch.randn(n, 96, generator=gen)
+    res = []
+    for fast in (True, False):
+        qk, v, x = torch.nn.Parameter(qk0.clone()), torch.nn.Parameter(v0.clone()), x0.clone().requires_grad_()
+        state = f8.Fp8LinearState(backend="emulated")
+        if fast:
+            state._kernels_override = f8._FAST
+        y = f8.fp8_linear(x, (qk.flatten(0, 1), v), state)
+        y.backward(g)
+        res.append((y.detach(), x.grad, qk.grad, v.grad))
+    for u, v in zip(res[0], res[1]):
+        assert rel(u, v) < 1e-3
+
+
+@interp
+@pytest.mark.parametrize("sampled", [False, True])
+def test_fast_head_equals_emulated_head(sampled):
+    from nanogpt_pl.ops import fp8 as f8
+    from nanogpt_pl.ops.cross_entropy import lm_head_loss
+
+    gen = torch.Generator().manual_seed(int(sampled))
+    n, d, v = 50, 64, 256
+    hidden = F.rms_norm(torch.randn(n, d, generator=gen), (d,))
+    w0 = 0.05 * torch.randn(v, d, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    candidates = None
+    if sampled:
+        others = torch.tensor(sorted(set(range(v)) - set(targets.tolist())))
+        candidates = torch.sort(torch.cat([targets.unique(), others[: 128 - targets.unique().numel()]]))[0]
+    res = []
+    for fast in (True, False):
+        h, w = hidden.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        head = f8.Fp8Head(backend="emulated")
+        if fast:
+            head.state._kernels_override = f8._FAST
+        loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head, chunk_rows=24)
+        loss.backward()
+        res.append((loss.detach(), h.grad, w.grad))
+    for u, v_ in zip(res[0], res[1]):
+        assert rel(u, v_) < 1e-3
+
+
+@interp
+def test_fast_gemm_rejects_wrong_layouts():
+    from nanogpt_pl.ops.fp8 import _FAST
+
+    a = torch.zeros(32, 64).to(E4M3)
+    b = torch.zeros(48, 64).to(E4M3)
+    one = torch.ones(())
+    assert _FAST.mm(a, b, one, one, torch.bfloat16, True).shape == (32, 48)
+    with pytest.raises(AssertionError, match="K-contiguous"):
+        _FAST.mm(a, b.t().contiguous().t(), one, one, torch.bfloat16, True)
+    with pytest.raises(AssertionError, match="multiples of 16"):
+        _FAST.mm(a[:, :40].contiguous(), b[:, :40].contiguous(), one, one, torch.bfloat16, True)
