@@ -38,6 +38,7 @@ equivalents of the per-step settings, RECORD §5), via :meth:`SparseAdam.set_cad
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, defaultdict
 from typing import Any, Optional, Protocol
 
 import torch
@@ -194,15 +195,22 @@ class SparseAdam(torch.optim.Optimizer):
             raise ValueError("SparseAdam needs at least one channel")
         record = {"ngram": dict(lr_mul=SPARSE_LR_MUL, betas=(0.0, NGRAM_BETA2), wd_mul=SPARSE_WD_MUL),
                   "value_embeds": dict(lr_mul=SPARSE_LR_MUL, betas=VALUE_EMBED_BETAS, wd_mul=SPARSE_WD_MUL)}
-        param_groups = []
+        # Optimizer.__init__ is skipped on purpose (as in CombinedOptimizer): the state lives in
+        # the channels, the n-gram group has no nn.Parameter at all, and the base class would
+        # refuse that and pull in torch._dynamo for nothing.
+        self.defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+        self.state: defaultdict = defaultdict(dict)
+        self.param_groups: list[dict[str, Any]] = []
         for name, channel in channels.items():
-            settings = dict(record.get(name, record["value_embeds"]))
-            settings.update((groups or {}).get(name, {}))
-            settings["betas"] = tuple(settings["betas"])
-            param_groups.append(dict(params=list(channel.params), name=name, **settings))
-        super().__init__(param_groups, dict(lr=lr, eps=eps, weight_decay=weight_decay))
-        for group in self.param_groups:
+            group = dict(self.defaults, **record.get(name, record["value_embeds"]))
+            group.update((groups or {}).get(name, {}))
+            group.update(params=list(channel.params), name=name, betas=tuple(group["betas"]))
             group.setdefault("initial_lr", group["lr"])
+            self.param_groups.append(group)
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
         self.channels = dict(channels)
         self.cadence_engaged = False
 
@@ -233,12 +241,16 @@ class SparseAdam(torch.optim.Optimizer):
         """Nothing to clear: the channels' gradient queues are consumed by ``step``."""
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["cadence_engaged"] = self.cadence_engaged
-        return state
+        """Hyperparameters of the groups and the cadence flag; the channels' rank-local state is
+        checkpointed separately (``nanogpt_pl.distributed.ngram_shard.save_rank_local``)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"param_groups": groups, "cadence_engaged": self.cadence_engaged}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        self.cadence_engaged = bool(state_dict.pop("cadence_engaged", False))
-        super().load_state_dict(state_dict)
-
+        saved = [g["name"] for g in state_dict["param_groups"]]
+        mine = [g["name"] for g in self.param_groups]
+        if saved != mine:
+            raise ValueError(f"checkpoint sparse optimizer groups {saved} differ from this run's {mine}")
+        for group, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in loaded.items()})
+        self.cadence_engaged = bool(state_dict.get("cadence_engaged", False))
