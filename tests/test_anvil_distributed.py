@@ -1,4 +1,4 @@
-"""ANVIL sharded over 2 and 4 gloo ranks on CPU equals ANVIL on one process.
+"""ANVIL and its Adam groups sharded over 2 and 4 gloo ranks on CPU equal one process.
 
 Every rank holds its own gradients; the world-size-1 run gets their average. The
 gradients are small integers times 2⁻⁸, so every partial sum of up to four ranks is
@@ -9,6 +9,9 @@ sharded run sees bit-identical gradients, and the tolerance below is zero. The b
 Checkpoints: each rank's own shard (``state_dict()``) resumes bit-exactly on the same
 rank, and the consolidated state (``consolidate_state_dict()`` then ``state_dict()`` on
 rank 0) resumes on a single process.
+
+The same processes run ``DistAdam`` with a sharded group (an lm_head-like 13x6 matrix,
+rows not divisible by the world size) next to a replicated one (RECORD §8's Adam table).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanogpt_pl.optim.adam import DistAdam
 from nanogpt_pl.optim.anvil import Anvil
 
 STEPS = 5
@@ -53,9 +57,9 @@ def rank_grads(params: list[torch.Tensor], rank: int, step: int) -> list[torch.T
     """Integer multiples of 2⁻⁸ in [-64, 64]: exact in bf16, and so are sums of four of them."""
     g = torch.Generator().manual_seed(100 * step + rank)
     out = []
-    for i, p in enumerate(params):
+    for p in params:
         t = torch.randint(-64, 65, p.shape, generator=g).float() / 256
-        if i == 0:
+        if tuple(p.shape) == (2, 16, 12):  # the qk parameter's dead rows
             t.view(4, 8, 12)[:, 6:] = 0
         out.append(t)
     return out
@@ -89,11 +93,54 @@ def from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def make_adam_params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.nn.Parameter(torch.randn(13, 6, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))]
+
+
+def make_adam(params: list[torch.Tensor]) -> DistAdam:
+    return DistAdam([dict(params=params[:1], sharded=True, betas=(0.5, 0.95), wd_mul=150.0),
+                     dict(params=params[1:], betas=(0.9, 0.99), lr_mul=5.0)],
+                    lr=0.008, weight_decay=0.005, cautious_wd=True, decay_lr_power=2)
+
+
+def run_adam(opt: DistAdam, params: list[torch.Tensor], steps: range, grads_of) -> None:
+    for step in steps:
+        for p, g in zip(params, grads_of(step)):
+            p.grad = g.clone()
+        opt.step()
+
+
+def _adam_worker(rank: int, world: int) -> dict:
+    params = make_adam_params()
+    opt = make_adam(params)
+
+    def grads_of(step: int) -> list[torch.Tensor]:
+        return rank_grads(params, rank, 50 + step)
+
+    run_adam(opt, params, range(RESUME_AT), grads_of)
+    local = to_bytes(opt.state_dict())
+    weights = [p.detach().clone() for p in params]
+    opt.consolidate_state_dict(to=0)
+    full = to_bytes(opt.state_dict()) if rank == 0 else None  # serialized now: state_dict holds live tensors
+    run_adam(opt, params, range(RESUME_AT, STEPS), grads_of)
+    again = make_adam_params()
+    with torch.no_grad():
+        for p, w in zip(again, weights):
+            p.copy_(w)
+    opt2 = make_adam(again)
+    opt2.load_state_dict(from_bytes(local))
+    run_adam(opt2, again, range(RESUME_AT, STEPS), grads_of)
+    for a, b in zip(params, again):
+        assert torch.equal(a.detach(), b.detach()), f"rank {rank}: Adam local-shard resume diverged"
+    return {"params": [p.detach().clone() for p in params], "weights_at_resume": weights, "full_state": full}
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results = {}
+        results = {"adam": _adam_worker(rank, world)}
         for dtype in DTYPES:
             params = make_params(dtype)
             opt = Anvil(params, engage_step=ENGAGE, backend="torch", compile=False)  # default group
@@ -106,7 +153,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             local = to_bytes(opt.state_dict())
             weights = [p.detach().clone() for p in params]
             opt.consolidate_state_dict(to=0)
-            full = opt.state_dict() if rank == 0 else None
+            full = to_bytes(opt.state_dict()) if rank == 0 else None
             run_steps(opt, params, range(RESUME_AT, STEPS), grads_of)
 
             # resume this rank's shard into a fresh optimizer
@@ -123,7 +170,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 assert torch.equal(a.detach(), b.detach()), f"rank {rank}: local-shard resume diverged"
             results[str(dtype)] = {
                 "params": [p.detach().clone() for p in params],
-                "full_state": None if full is None else to_bytes(full),
+                "full_state": full,
                 "weights_at_resume": weights,
             }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -169,3 +216,22 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
         resumed = single_process(dtype, world, range(RESUME_AT, STEPS), params=params, state=full)
         for got, want in zip(resumed, reference):
             assert torch.equal(got.detach(), want.detach()), f"world {world}, {dtype}: consolidated resume differs"
+
+    # Adam: the sharded and the replicated group equal one process fed the mean gradient
+    adam_params = make_adam_params()
+    adam = make_adam(adam_params)
+    run_adam(adam, adam_params, range(STEPS), lambda step: mean_grads(adam_params, world, 50 + step))
+    for r in range(world):
+        for got, want in zip(per_rank[r]["adam"]["params"], adam_params):
+            assert torch.equal(got, want.detach()), f"world {world}, rank {r}: DistAdam differs from 1 process"
+    full = from_bytes(per_rank[0]["adam"]["full_state"])
+    assert full["state"][0]["rows"] == (0, 13, 13) and full["state"][0]["exp_avg"].shape == (13, 6)
+    again = make_adam_params()
+    with torch.no_grad():
+        for p, w in zip(again, per_rank[0]["adam"]["weights_at_resume"]):
+            p.copy_(w)
+    resumed = make_adam(again)
+    resumed.load_state_dict(full)
+    run_adam(resumed, again, range(RESUME_AT, STEPS), lambda step: mean_grads(again, world, 50 + step))
+    for got, want in zip(again, adam_params):
+        assert torch.equal(got.detach(), want.detach()), f"world {world}: DistAdam consolidated resume differs"

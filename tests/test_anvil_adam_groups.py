@@ -1,0 +1,136 @@
+"""The Adam groups that run beside ANVIL (RECORD §8 "Adam parameter groups"), on one process.
+
+``DistAdam`` with ``decay_lr_power=1`` and no cautious mask is AdamW: it must match
+``torch.optim.AdamW``. With ``decay_lr_power=2`` and the cautious mask it is the record's
+update, checked against a float64 restatement. Checkpoints keep the moments in fp32 for
+bf16 parameters. The multi-rank (sharded lm_head/embed) behaviour is tested in
+``test_anvil_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from nanogpt_pl.optim.adam import DistAdam, row_range
+
+SEEDS = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make(seed: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(*s, generator=g) * 0.5).to(dtype)) for s in ((13, 6), (6,), (4, 3, 2))]
+
+
+def grads(params, seed: int, step: int) -> None:
+    g = torch.Generator().manual_seed(10_000 + 97 * seed + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_power_one_without_mask_is_adamw(seed: int) -> None:
+    ours, ref = make(seed), make(seed)
+    a = DistAdam(ours, lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    b = torch.optim.AdamW(ref, lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(6):
+        grads(ours, seed, step)
+        grads(ref, seed, step)
+        a.step()
+        b.step()
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-7)
+
+
+def reference(params64, grads64, steps, lr, lr_mul, wd, wd_mul, betas, eps):
+    """RECORD §8 Adam: bias-corrected moments, decay (lr·lr_mul)²·wd·wd_mul where update·θ > 0."""
+    b1, b2 = betas
+    m = [torch.zeros_like(p) for p in params64]
+    v = [torch.zeros_like(p) for p in params64]
+    for t in range(1, steps + 1):
+        for i, p in enumerate(params64):
+            g = grads64[t - 1][i]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            eta = lr * lr_mul
+            u = eta * (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
+            u = u + (u * p > 0) * eta * eta * wd * wd_mul * p
+            params64[i] = p - u
+    return params64
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_record_update_with_cautious_squared_lr_decay(seed: int) -> None:
+    params = make(seed)
+    start = [p.detach().double().clone() for p in params]
+    opt = DistAdam([dict(params=params, lr_mul=5.0, wd_mul=150.0)], lr=0.008, betas=(0.5, 0.95), eps=1e-10,
+                   weight_decay=0.005, cautious_wd=True, decay_lr_power=2)
+    history = []
+    for step in range(5):
+        grads(params, seed, step)
+        history.append([p.grad.double() for p in params])
+        opt.step()
+    want = reference(start, history, 5, 0.008, 5.0, 0.005, 150.0, (0.5, 0.95), 1e-10)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_checkpoint_keeps_fp32_moments_and_resumes_exactly() -> None:
+    straight = make(4, torch.bfloat16)
+    a = DistAdam(straight, lr=0.01, weight_decay=0.005, cautious_wd=True, decay_lr_power=2, sharded=True)
+    for step in range(6):
+        grads(straight, 4, step)
+        a.step()
+    first = make(4, torch.bfloat16)
+    b = DistAdam(first, lr=0.01, weight_decay=0.005, cautious_wd=True, decay_lr_power=2, sharded=True)
+    for step in range(3):
+        grads(first, 4, step)
+        b.step()
+    buf = io.BytesIO()
+    torch.save(b.state_dict(), buf)
+    buf.seek(0)
+    resumed = make(4, torch.bfloat16)
+    with torch.no_grad():
+        for p, q in zip(resumed, first):
+            p.copy_(q)
+    c = DistAdam(resumed, lr=0.01, weight_decay=0.005, cautious_wd=True, decay_lr_power=2, sharded=True)
+    c.load_state_dict(torch.load(buf, weights_only=False))
+    for p in resumed:
+        assert c.state[p]["exp_avg"].dtype == torch.float32 and c.state[p]["exp_avg_sq"].dtype == torch.float32
+    for step in range(3, 6):
+        grads(resumed, 4, step)
+        c.step()
+    for x, y in zip(straight, resumed):
+        assert torch.equal(x.detach(), y.detach())
+
+
+def test_row_range_covers_rows_once() -> None:
+    for rows in (1, 7, 13, 16, 50304):
+        for world in (1, 2, 3, 4, 8):
+            spans = [row_range(rows, world, r)[:2] for r in range(world)]
+            covered = [i for lo, hi in spans for i in range(lo, hi)]
+            assert covered == list(range(rows))
+
+
+def test_rejects_bad_power_and_foreign_shard() -> None:
+    with pytest.raises(ValueError, match="decay_lr_power"):
+        DistAdam(make(0), decay_lr_power=3)
+    params = make(0)
+    opt = DistAdam(params, sharded=True)
+    grads(params, 0, 0)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0] = dict(sd["state"][0]) | {"rows": (7, 13, 13),
+                                             "exp_avg": torch.zeros(6, 6), "exp_avg_sq": torch.zeros(6, 6)}
+    with pytest.raises(ValueError, match="one rank's shard"):
+        DistAdam(make(0), sharded=True).load_state_dict(sd)
