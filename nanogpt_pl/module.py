@@ -80,6 +80,36 @@ class OptimConfig:
             raise ValueError(f"model.optim.matrix_optimizer={self.matrix_optimizer!r}: choose 'anvil' or 'adamw'")
 
 
+class SliceSamplers:
+    """One candidate sampler per global micro-batch slice.
+
+    A step's batch is cut into ``G = world_size x micro-batches`` slices (slice ``g`` is
+    micro-batch ``g // world_size`` of rank ``g % world_size``). Giving each slice its own
+    sweep position (as if it were rank ``g`` of ``G``) makes the candidate sets, and so the
+    training run, independent of how the slices are spread over ranks; at 8 ranks with one
+    micro-batch each this is exactly the record's per-rank sampler (RECORD §6).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.samplers: dict[tuple[int, int], CandidateSampler] = {}
+
+    def get(self, slice_index: int, num_slices: int) -> CandidateSampler:
+        key = (slice_index, num_slices)
+        if key not in self.samplers:
+            self.samplers[key] = CandidateSampler(vocab_size=self.vocab_size, rank=slice_index, world_size=num_slices)
+        return self.samplers[key]
+
+    def state_dict(self) -> dict[str, dict]:
+        return {f"{g}/{n}": s.state_dict() for (g, n), s in self.samplers.items()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        self.samplers = {}
+        for key, value in state.items():
+            g, n = (int(x) for x in key.split("/"))
+            self.get(g, n).load_state_dict(value)
+
+
 @dataclass
 class StepSettings:
     """What the schedule decided for the current step (set through the module's hooks)."""
@@ -89,6 +119,11 @@ class StepSettings:
     mtp_weights: tuple[float, ...] = (1.0,)
     prefix_weight: float = 0.0
     active_parts: Optional[tuple[str, ...]] = None
+
+
+# Checkpoints store the hyperparameters as these dataclasses; allow them under torch.load's
+# weights_only unpickler (Lightning loads checkpoints with it by default).
+torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup])
 
 
 class SpeedrunModule(L.LightningModule):
@@ -126,7 +161,7 @@ class SpeedrunModule(L.LightningModule):
         self.param_dtype = param_dtype
         self.model = GPT(gpt)
         self.settings = StepSettings(windows=self.schedule.windows(0))
-        self.sampler: Optional[CandidateSampler] = None
+        self.sampler: Optional[SliceSamplers] = None
         self._forward = self.model
 
     # -- setup ---------------------------------------------------------------------
@@ -139,9 +174,7 @@ class SpeedrunModule(L.LightningModule):
         for name in ("matrices", "embed", "lm_head", "value_embeds"):
             for p in roles[name]:
                 p.data = p.data.to(dtype)
-        self.sampler = CandidateSampler(
-            vocab_size=self.gpt_config.vocab_size, rank=self.global_rank, world_size=self.trainer.world_size
-        )
+        self.sampler = SliceSamplers(self.gpt_config.vocab_size)
         if self.compile:
             self._forward = torch.compile(self.model, dynamic=False)
 
@@ -237,18 +270,50 @@ class SpeedrunModule(L.LightningModule):
         return opt.optimizer if hasattr(opt, "optimizer") else opt
 
     # -- steps ---------------------------------------------------------------------
+    def prepare_batch(self, batch: Any, step: int) -> Any:
+        """Host-side per-step additions, before the batch moves to the device.
+
+        Adds each micro-batch's sampled-softmax candidate set (built on the CPU copy of the
+        targets, RECORD §6) and its prefix-token targets when the schedule uses them.
+        """
+        micro = batch if isinstance(batch, list) else [batch]
+        num = self.schedule.candidates(step)
+        prefix = self.schedule.prefix_weight(step) > 0
+        world, rank = self.trainer.world_size, self.global_rank
+        for a, mb in enumerate(micro):
+            if num is not None and num < self.gpt_config.vocab_size:
+                sampler = self.sampler.get(a * world + rank, len(micro) * world)
+                mb["candidates"] = sampler.build(mb["targets"], num)
+            if prefix:
+                mb["prefix_targets"] = self._prefix_table()[mb["targets"].long()]
+        return batch
+
+    def _prefix_table(self) -> Tensor:
+        if getattr(self, "_prefix", None) is None:
+            from .ops.cross_entropy import build_prefix_table
+
+            self._prefix = build_prefix_table(vocab_size=self.gpt_config.vocab_size)
+        return self._prefix
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training and self.sampler is not None:
+            batch = self.prepare_batch(batch, self.global_step)
+        return batch
+
     def _micro_loss(self, mb: dict[str, Any]) -> Tensor:
         hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows)
         s = self.settings
-        candidates = None
-        if s.candidates is not None:
-            candidates = self.sampler.build(mb["targets"], s.candidates)
         return lm_head_loss(
-            hidden, self.model.lm_head, mb["targets"], candidates=candidates, mtp_weights=s.mtp_weights,
+            hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
             prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
         )
 
-    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
+    def run_step(self, batch: list[dict[str, Any]]) -> Tensor:
+        """Forward, backward and optimizer step over one step's micro-batches; the mean loss.
+
+        ``training_step`` adds logging on top; the speedrun timer calls this directly for
+        its untimed warmup steps.
+        """
         opt = self.optimizers()
         micro = batch if isinstance(batch, list) else [batch]
         total = torch.zeros((), device=self.device)
@@ -256,20 +321,49 @@ class SpeedrunModule(L.LightningModule):
             loss = self._micro_loss(mb)
             self.manual_backward(loss / len(micro))
             total += loss.detach()
-        combined = self._combined()
-        combined.set_active(self.settings.active_parts)
+        self._combined().set_active(self.settings.active_parts)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step = self.global_step  # already counts this step
+        return total / len(micro)
+
+    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
+        step = self.global_step  # optimizer steps completed before this one
+        mean_loss = self.run_step(batch)
+        micro = batch if isinstance(batch, list) else [batch]
         tokens = sum(mb["inputs"].numel() for mb in micro)
         # read by callbacks.throughput (ThroughputMonitor): dense-model FLOPs of this rank's step
         self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
                                                                        *self.settings.windows)
-        mean_loss = total / len(micro)
-        self.log("train/loss", mean_loss, prog_bar=True, batch_size=1)
-        self.log("train/tokens", float(self.schedule.tokens_through(step - 1)), batch_size=1)
-        self.log("lr", self.schedule.lr_mul(step - 1), batch_size=1)
+        self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
+        self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
+        self.log("lr", self.schedule.lr_mul(step), batch_size=1)
         return mean_loss
+
+    # -- state capture (the speedrun timer resets to the start after its warmup) -------
+    def capture_state(self) -> dict[str, Any]:
+        """A deep copy of everything training changes: weights, buffers, optimizer, sampler."""
+        import copy
+
+        return {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self._combined().state_dict()),
+            "sampler": None if self.sampler is None else copy.deepcopy(self.sampler.state_dict()),
+            "settings": copy.deepcopy(self.settings),
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Return to a state from :meth:`capture_state`; gradients are cleared."""
+        import copy
+
+        self.model.load_state_dict(state["model"])
+        combined = self._combined()
+        for part in combined.parts.values():
+            part.zero_grad(set_to_none=True)
+            part.state.clear()
+        combined.load_state_dict(copy.deepcopy(state["optimizer"]))
+        if self.sampler is not None and state["sampler"] is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        self.settings = copy.deepcopy(state["settings"])
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
@@ -289,14 +383,17 @@ class SpeedrunModule(L.LightningModule):
 
     # -- checkpoint ----------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["speedrun"] = {
-            "sampler": None if self.sampler is None else self.sampler.state_dict(),
-            "windows": self.settings.windows,
-        }
+        samplers = {} if self.sampler is None else self.sampler.state_dict()
+        if self.trainer.world_size > 1:
+            # every rank runs this hook; the slices' samplers live on different ranks
+            gathered: list = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, samplers)
+            samplers = {k: v for part in gathered for k, v in part.items()}
+        checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("speedrun", {})
-        self._pending_sampler_state = state.get("sampler")
+        self._pending_sampler_state = state.get("samplers")
         if "windows" in state:
             self.settings.windows = tuple(state["windows"])
 

@@ -340,3 +340,15 @@ class GPT(nn.Module):
         taken = {id(p) for ps in roles.values() for p in ps}
         roles["scalars"] = [p for p in self.parameters() if id(p) not in taken]
         return roles
+
+    def param_families(self) -> dict[str, list[nn.Parameter]]:
+        """``param_roles`` plus the matrices split as the record's banks: qk, vo, mlp."""
+        fams = self.param_roles()
+        fams["qk"], fams["vo"], fams["mlp"] = [], [], []
+        for block in self.blocks:
+            if block.attn is not None:
+                fams["qk"].append(block.attn.qk_w)
+                fams["vo"] += [block.attn.v_w, block.attn.o_w]
+            if block.mlp is not None:
+                fams["mlp"] += [block.mlp.fc_w, block.mlp.proj_w]
+        return fams

@@ -1,0 +1,182 @@
+"""Tail averaging and the terminal "ships" (RECORD.md §10).
+
+Over the last few hundred steps the record keeps several running averages of the
+weights, each on its own cadence, and just before the final validation blends them
+into the live weights ("ships"), then rescales the shipped matrices back to their
+pre-ship Frobenius norms ("decontraction"). Each :class:`TailTrack` is one such
+accumulator:
+
+- it is seeded (a copy) at its first tick, then ticks ``E ← E + rate·(θ − E)`` on steps
+  where ``step % every == phase`` (plus the last ``extra_last`` steps), from the window
+  start ``total_steps − window`` on;
+- at the end it ships ``θ ← θ + blend·(E − θ)`` (``blend = 1``: θ ← E).
+
+Why not Lightning's ``WeightAveraging``: it keeps one averaged copy of the whole module
+with one update rule and swaps it in for every validation. The record needs several
+accumulators over different parameter families with different cadences and rates,
+partial blends instead of a swap, a fixed ship order, and a one-time ship before the
+final validation only. What this callback shares with it is the contract: state in
+checkpoints (``state_dict``), updates after optimizer steps, the ship before validation.
+
+Parameter families are the model's roles: ``embed``, ``lm_head``, ``value_embeds``,
+``qk``, ``vo``, ``mlp`` (see ``GPT.param_families``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+
+
+def _norm(params: list[Tensor]) -> float:
+    return float(torch.sqrt(sum(p.detach().float().square().sum() for p in params)))
+
+
+@dataclass
+class TailTrack:
+    """One tail accumulator and its ship.
+
+    Args:
+        name: label used in checkpoints and logs.
+        params: parameter families it averages (keys of ``GPT.param_families()``).
+        window: ticks start at ``total_steps − window``.
+        every: tick cadence.
+        phase: ticks where ``step % every == phase``.
+        rate: E ← E + rate·(θ − E) at each tick after the seed.
+        last_rate: rate used at the final step, if different.
+        extra_last: also tick on the last this-many steps whatever the cadence.
+        seed_at_start: seed at the window start even off-cadence (the record's TailEMA).
+        blend: ship θ ← θ + blend·(E − θ).
+        decontract: after all ships, rescale these families to their pre-ship norms.
+    """
+
+    name: str
+    params: list[str]
+    window: int
+    every: int = 1
+    phase: int = 0
+    rate: float = 0.01
+    last_rate: Optional[float] = None
+    extra_last: int = 0
+    seed_at_start: bool = False
+    blend: float = 1.0
+
+
+def record_tracks() -> list[TailTrack]:
+    """RECORD §10's table."""
+    ema_rate = 1 - (1 - 2 / 299) ** 2  # 2/299 per step, ticked on odd steps only (Adam cadence)
+    return [
+        TailTrack("tail_ema", ["embed", "lm_head"], window=298, every=2, phase=1, rate=ema_rate,
+                  last_rate=2 / 299, seed_at_start=True, blend=0.65),
+        TailTrack("tail_avg", ["vo", "mlp"], window=250, every=4, phase=1, rate=4 / 53, blend=1.0),
+        TailTrack("value_embed_ship", ["value_embeds"], window=250, every=4, phase=3, rate=4 / 53, blend=1.0),
+        TailTrack("bank_blend_qk", ["qk"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2, blend=0.55),
+        TailTrack("bank_blend_vo_mlp", ["vo", "mlp"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2,
+                  blend=0.55 - 0.2007),
+    ]
+
+
+class TailAveraging(L.Callback):
+    """Tail accumulators ticked after optimizer steps and shipped before the final validation.
+
+    Args:
+        tracks: the accumulators, shipped in this order (default: the record's table).
+        decontract: parameter families rescaled to their pre-ship Frobenius norms after the ships.
+    """
+
+    def __init__(self, tracks: Optional[list[TailTrack]] = None, decontract: Optional[list[str]] = None) -> None:
+        self.tracks = record_tracks() if tracks is None else list(tracks)
+        self.decontract = ["embed", "lm_head", "mlp", "qk", "vo"] if decontract is None else list(decontract)
+        self._acc: dict[str, list[Tensor]] = {}
+        self.shipped = False
+
+    # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _params(pl_module: L.LightningModule, families: list[str]) -> list[Tensor]:
+        roles = pl_module.model.param_families()
+        out = []
+        for fam in families:
+            if fam not in roles:
+                raise KeyError(f"TailTrack parameter family {fam!r} is not one of {sorted(roles)}")
+            out += roles[fam]
+        return out
+
+    def _last_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        last = pl_module.schedule.total_steps
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            last = min(last, trainer.max_steps)
+        return last - 1
+
+    def ticks(self, track: TailTrack, step: int, last: int) -> tuple[bool, bool]:
+        """(ticks at ``step``, this tick is the seed) for a run whose final step is ``last``."""
+        start = last + 1 - track.window
+        if step < start:
+            return False, False
+        first = track.name not in self._acc
+        on_cadence = step % track.every == track.phase or step > last - track.extra_last
+        if first:
+            return (on_cadence or (track.seed_at_start and step == start)), True
+        return on_cadence, False
+
+    # -- hooks -----------------------------------------------------------------------
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step - 1
+        last = self._last_step(trainer, pl_module)
+        for track in self.tracks:
+            fires, seed = self.ticks(track, step, last)
+            if not fires:
+                continue
+            params = self._params(pl_module, track.params)
+            if seed:
+                self._acc[track.name] = [p.detach().float().clone() for p in params]
+            else:
+                rate = track.last_rate if (track.last_rate is not None and step == last) else track.rate
+                for e, p in zip(self._acc[track.name], params):
+                    e.lerp_(p.detach().float(), rate)
+        if step == last and not self.shipped:
+            self.ship(pl_module)
+
+    @torch.no_grad()
+    def ship(self, pl_module: L.LightningModule) -> None:
+        """Blend every accumulator into the weights, then decontract (RECORD §10 order)."""
+        # decontraction works per family, over the whole bank (RECORD §10: "the whole tensor")
+        families = {fam: self._params(pl_module, [fam]) for fam in self.decontract}
+        ref = {fam: _norm(ps) for fam, ps in families.items()}
+        for track in self.tracks:
+            acc = self._acc.get(track.name)
+            if acc is None:
+                continue
+            for e, p in zip(acc, self._params(pl_module, track.params)):
+                p.copy_(p.float().lerp(e, track.blend))
+        for fam, ps in families.items():
+            now = _norm(ps)
+            if now > 0:
+                for p in ps:
+                    p.mul_(ref[fam] / now)
+        self.shipped = True
+
+    # -- checkpoint ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"acc": {k: [t.cpu() for t in v] for k, v in self._acc.items()}, "shipped": self.shipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pending = getattr(self, "_pending", None)
+        if pending is not None:
+            device = pl_module.device
+            self._acc = {k: [t.to(device) for t in v] for k, v in pending["acc"].items()}
+            self.shipped = pending["shipped"]
+            self._pending = None
+
+    def reset(self) -> None:
+        """Forget every accumulator (used by the speedrun timer after its untimed warmup)."""
+        self._acc = {}
+        self.shipped = False

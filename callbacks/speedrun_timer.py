@@ -1,0 +1,146 @@
+"""The speedrun clock (RECORD.md §11, §12).
+
+The record's timing convention, as a callback:
+
+1. **Untimed warmup.** Before the clock starts, run real training steps at a sample of
+   schedule steps (every distinct batch shape / loss configuration, its first two
+   steps, and the steps around each stage boundary), so compilation, autotuning and
+   allocator growth happen off the clock. Then restore weights, buffers, optimizer
+   state, the candidate sampler and every stateful callback to the start. Warmup
+   batches come from a separate stream; the training stream is untouched.
+2. **The clock** runs from the first timed step to the start of the final validation;
+   validation passes are excluded (the clock pauses).
+3. **Target.** After each validation, ``val/loss <= target`` stops the run;
+   ``speedrun/train_time_s`` and ``speedrun/reached_target`` are logged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from .schedule import apply_schedule
+
+RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
+
+
+def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
+    """Steps whose shapes and settings cover the whole run, in schedule order.
+
+    Steps 0 and 1, the two steps on each side of every stage boundary, and the first two
+    steps of every new (batch shape, windows, candidates, MTP length, prefix on/off)
+    configuration; at most ``limit`` steps (RECORD §11 visits 37 of a budget of 40).
+    """
+    total = schedule.total_steps
+    steps = {0, 1}
+    for i in range(1, len(schedule.stages)):
+        b = schedule.stage_start(i)
+        steps.update(range(max(0, b - 2), min(total, b + 2)))
+    seen = set()
+    for s in range(total):
+        key = (schedule.batch_tokens(s), schedule.seq_len(s), schedule.windows(s), schedule.candidates(s),
+               len(schedule.mtp_weights(s)), schedule.prefix_weight(s) > 0)
+        if key not in seen:
+            seen.add(key)
+            steps.update(x for x in (s, s + 1) if x < total)
+    return sorted(steps)[:limit]
+
+
+class SpeedrunTimer(L.Callback):
+    """Untimed warmup with reset, the training clock, and the stop at the target loss.
+
+    Args:
+        warmup_steps: schedule steps to run untimed before the clock starts; ``None`` picks
+            them with :func:`default_warmup_steps`; ``[]`` disables the warmup.
+        warmup_limit: at most this many automatically chosen warmup steps.
+        target: validation loss at which the run stops (RECORD §12: 3.28).
+        stop_at_target: stop training once a validation reaches the target.
+    """
+
+    def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,
+                 target: float = RECORD_TARGET, stop_at_target: bool = True) -> None:
+        self.warmup_steps = warmup_steps
+        self.warmup_limit = warmup_limit
+        self.target = target
+        self.stop_at_target = stop_at_target
+        self.elapsed = 0.0
+        self._t0: Optional[float] = None
+        self.warmup_seconds = 0.0
+        self.reached = False
+
+    @staticmethod
+    def _sync(pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    # -- warmup --------------------------------------------------------------------------
+    def _stateful_callbacks(self, trainer: L.Trainer) -> list[L.Callback]:
+        return [cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "reset")]
+
+    def run_warmup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[int]:
+        steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit)
+                 if self.warmup_steps is None else list(self.warmup_steps))
+        if not steps:
+            return []
+        start = time.perf_counter()
+        snapshot = pl_module.capture_state()
+        previous = 0
+        for step in steps:
+            batch = pl_module.prepare_batch(trainer.datamodule.batch_at(step), step)
+            batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+            apply_schedule(pl_module, step, previous_step=previous)
+            pl_module.run_step(batch)
+            previous = step
+        self._sync(pl_module)
+        pl_module.restore_state(snapshot)
+        apply_schedule(pl_module, trainer.global_step)
+        for cb in self._stateful_callbacks(trainer):
+            cb.reset()
+        self._sync(pl_module)
+        self.warmup_seconds = time.perf_counter() - start
+        return steps
+
+    # -- clock -----------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == 0:
+            self.run_warmup(trainer, pl_module)
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def _pause(self, pl_module: L.LightningModule) -> None:
+        if self._t0 is not None:
+            self._sync(pl_module)
+            self.elapsed += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._pause(pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        loss = trainer.callback_metrics.get("val/loss")
+        if loss is not None and float(loss) <= self.target:
+            self.reached = True
+            if self.stop_at_target:
+                trainer.should_stop = True
+        for logger in trainer.loggers:
+            logger.log_metrics({"speedrun/train_time_s": self.elapsed,
+                                "speedrun/reached_target": float(self.reached)}, step=trainer.global_step)
+        if not trainer.should_stop:
+            self._sync(pl_module)
+            self._t0 = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pause(pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed": self.elapsed, "reached": self.reached}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.elapsed = float(state_dict["elapsed"])
+        self.reached = bool(state_dict["reached"])

@@ -1,0 +1,90 @@
+"""The command line: configs, overrides, multi-process CPU training and user errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import write_markov_shards  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def toy_config(tmp: Path, files: tuple[str, str], **overrides) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg["trainer"].update(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    cfg["trainer"]["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                 "init_args": {"save_dir": str(tmp / "logs"), "name": "toy"}}]
+    cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                    "init_args": {"dirpath": str(tmp / "ckpt"), "save_last": True}}]
+    cfg["model"]["gpt"].update(num_layers=2, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
+                               long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None)
+    cfg["schedule"]["stages"] = [dict(steps=6, batch_tokens=1024, seq_len=512, max_doc_len=256, window_short=64,
+                                      window_long=256, candidates=2048)]
+    cfg["schedule"]["warmup_steps"] = 2
+    cfg["data"] = dict(train_files=files[0], val_files=files[1], val_tokens=4096, val_seq_len=1024, prefetch=2)
+    for key, value in overrides.items():
+        node = cfg
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    out = tmp / "config.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def toy_files(tmp_path_factory):
+    return write_markov_shards(tmp_path_factory.mktemp("toy"))
+
+
+def test_print_config_applies_overrides(tmp_path, toy_files):
+    cfg = toy_config(tmp_path, toy_files)
+    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_steps", "50", "--model.gpt.num_layers", "3",
+                   "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["trainer"]["max_steps"] == 50
+    assert printed["model"]["gpt"]["num_layers"] == 3
+    assert printed["schedule"]["stages"][0]["candidates"] == 2048
+
+
+def test_unknown_config_key_is_named(tmp_path, toy_files):
+    cfg = toy_config(tmp_path, toy_files, **{"model.gpt.num_layerz": 3})
+    out = run_cli(["fit", "--config", str(cfg)], tmp_path)
+    assert out.returncode != 0
+    assert "num_layerz" in out.stderr
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process_with_accumulation(tmp_path, toy_files):
+    """devices=2 (gloo, one micro-batch each) trains the same weights as devices=1 with two micro-batches."""
+    results = {}
+    for devices in (1, 2):
+        work = tmp_path / f"d{devices}"
+        work.mkdir()
+        cfg = toy_config(work, toy_files)
+        out = run_cli(["fit", "--config", str(cfg), "--trainer.devices", str(devices)], work)
+        assert out.returncode == 0, out.stderr[-3000:]
+        ckpt = torch.load(work / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+        results[devices] = ckpt
+    a, b = results[1]["state_dict"], results[2]["state_dict"]
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor) and torch.is_floating_point(a[k]):
+            assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), k
+    assert results[1]["global_step"] == results[2]["global_step"] == 6
