@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .attention import packed_attention, resolve_backend, segment_positions
 from .mlp import FC_INIT_GAIN, MLP
+from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
 from .rotary import Rotary, apply_rotary
 
 QK_NORM_EPS = 1.1920929e-7  # RECORD §2: per-head RMS norm of Q and K, eps = float32 machine epsilon
@@ -62,6 +63,11 @@ class GPTConfig:
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
         fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``emulated``.
+        ngram_rows: rows of the hashed bigram + trigram table (RECORD §3: 84,602,880); 0 = no
+            n-gram channel. The table lives outside the model (``nanogpt_pl.distributed.ngram_shard``);
+            ``forward`` receives the rows a batch needs as ``ngram``.
+        ngram_layers: layers after whose attention sublayer x0_ngram is added again, each with
+            its own scalar gate (RECORD §3 "Injection": 1, 4, 5, 9; plus the residual start).
     """
 
     vocab_size: int = 50304
@@ -84,6 +90,8 @@ class GPTConfig:
     fp8_head: bool = False
     fp8_qkv: bool = False
     fp8_backend: str = "auto"
+    ngram_rows: int = 0
+    ngram_layers: list[int] = field(default_factory=lambda: [1, 4, 5, 9])
 
     def __post_init__(self) -> None:
         def check_layers(name: str, layers: Optional[list[int]]) -> None:
@@ -91,7 +99,9 @@ class GPTConfig:
                 if not 0 <= i < self.num_layers:
                     raise ValueError(f"model.gpt.{name}: layer {i} is outside 0..{self.num_layers - 1}")
 
-        for name in ("attention_layers", "mlp_layers", "long_window_layers", "value_embed_layers"):
+        if self.ngram_rows:
+            check_ngram_rows(self.ngram_rows)
+        for name in ("attention_layers", "mlp_layers", "long_window_layers", "value_embed_layers", "ngram_layers"):
             check_layers(name, getattr(self, name))
         for name in ("skip_from", "skip_to"):
             check_layers(name, [] if getattr(self, name) is None else [getattr(self, name)])
@@ -226,11 +236,14 @@ class Block(nn.Module):
         self.resid_lambdas = nn.Parameter(torch.ones(2))
         self.x0_lambda = nn.Parameter(torch.zeros(()))
 
-    def forward(self, x: Tensor, x0: Tensor, ctx: PackedContext, ve: Optional[Tensor]) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ctx: PackedContext, ve: Optional[Tensor],
+                x0_ngram: Optional[Tensor] = None) -> Tensor:
         lam = self.resid_lambdas.type_as(x)
         if self.attn is not None:
             x = lam[0] * x + self.attn(rms_norm(x), ctx, ve)
         x = x + self.x0_lambda.type_as(x) * x0
+        if x0_ngram is not None:  # already gated (RECORD §2: "+ g_bg[i]·x0_ngram where allowed")
+            x = x + x0_ngram
         if self.mlp is not None:
             x = lam[1] * x + self.mlp(rms_norm(x))
         return x
@@ -248,6 +261,10 @@ class GPT(nn.Module):
         self.value_embeds = nn.ParameterList(
             nn.Parameter(torch.randn(cfg.vocab_size, d) * VALUE_EMBED_INIT_STD) for _ in cfg.value_embed_layers
         )
+        if cfg.ngram_rows:
+            # only the fixed sign table and the gates live here; the table is sharded over ranks
+            self.ngram = HashedNgramEmbedding(d)
+            self.ngram_gates = nn.Parameter(torch.full((1 + len(cfg.ngram_layers),), NGRAM_GATE_INIT))
         self.rotaries = nn.ModuleDict(
             {"short": Rotary(cfg.head_dim, cfg.attn_scale), "long": Rotary(cfg.head_dim, cfg.attn_scale)}
         )
@@ -285,6 +302,8 @@ class GPT(nn.Module):
         cu_seqlens: Tensor,
         max_seqlen: int,
         windows: tuple[int, int],
+        ngram: Optional[NgramInput] = None,
+        value_rows: Optional[CompactRows] = None,
     ) -> Tensor:
         """Hidden states [N, model_dim] for a packed micro-batch.
 
@@ -293,10 +312,27 @@ class GPT(nn.Module):
             cu_seqlens: int32 segment starts [M + 1], padded at the end with N.
             max_seqlen: the longest segment.
             windows: (short, long) left attention windows in tokens.
+            ngram: the batch's n-gram rows (required when ``cfg.ngram_rows`` > 0), see
+                ``nanogpt_pl.model.embeddings``.
+            value_rows: the value embeddings' rows at the batch's unique token ids (the
+                compact-gradient path); None reads the tables directly.
         """
         n = input_ids.shape[0]
         input_ids = input_ids.long()
         x = x0 = self._embed(input_ids)
+        x0_ngram, ngram_gate = None, {}
+        if self.cfg.ngram_rows:
+            if ngram is None:
+                raise ValueError(
+                    "model.gpt.ngram_rows > 0: pass the batch's n-gram rows as forward(..., ngram=...) "
+                    "(nanogpt_pl.distributed.ngram_shard.SparseChannels.inputs builds them)"
+                )
+            x0_ngram = self.ngram(ngram, x.dtype)
+            gates = self.ngram_gates.type_as(x)
+            x = x + gates[0] * x0_ngram  # RECORD §2: residual start x = x0 + g[0]·x0_ngram
+            ngram_gate = {layer: gates[k + 1] for k, layer in enumerate(self.cfg.ngram_layers)}
+        elif ngram is not None:
+            raise ValueError("forward got n-gram rows but model.gpt.ngram_rows is 0")
         positions = segment_positions(cu_seqlens, n)
         ctx = PackedContext(
             cu_seqlens=cu_seqlens,
@@ -305,14 +341,18 @@ class GPT(nn.Module):
             windows={"short": windows[0], "long": windows[1]},
             scales={name: rot.attn_scale for name, rot in self.rotaries.items()},
         )
-        ve_of_layer = {
-            layer: F.embedding(input_ids, table) for layer, table in zip(self.cfg.value_embed_layers, self.value_embeds)
-        }
+        if value_rows is not None:
+            ve_of_layer = {layer: F.embedding(value_rows.index, value_rows.values[p]).to(x.dtype)
+                           for p, layer in enumerate(self.cfg.value_embed_layers)}
+        else:
+            ve_of_layer = {layer: F.embedding(input_ids, table)
+                           for layer, table in zip(self.cfg.value_embed_layers, self.value_embeds)}
         skip = None
         for i, block in enumerate(self.blocks):
             if i == self.cfg.skip_to and skip is not None:
                 x = x + torch.sigmoid(self.skip_lambda).type_as(x) * skip
-            x = block(x, x0, ctx, ve_of_layer.get(i))
+            ng = ngram_gate[i] * x0_ngram if i in ngram_gate else None
+            x = block(x, x0, ctx, ve_of_layer.get(i), ng)
             if i == self.cfg.skip_from:
                 skip = x
         return rms_norm(x)
