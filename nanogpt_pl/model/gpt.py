@@ -99,9 +99,10 @@ class GPTConfig:
                 if not 0 <= i < self.num_layers:
                     raise ValueError(f"model.gpt.{name}: layer {i} is outside 0..{self.num_layers - 1}")
 
-        if self.ngram_rows:
+        if self.ngram_rows:  # ngram_layers only matter (and are checked) when the table is on
             check_ngram_rows(self.ngram_rows)
-        for name in ("attention_layers", "mlp_layers", "long_window_layers", "value_embed_layers", "ngram_layers"):
+            check_layers("ngram_layers", self.ngram_layers)
+        for name in ("attention_layers", "mlp_layers", "long_window_layers", "value_embed_layers"):
             check_layers(name, getattr(self, name))
         for name in ("skip_from", "skip_to"):
             check_layers(name, [] if getattr(self, name) is None else [getattr(self, name)])
