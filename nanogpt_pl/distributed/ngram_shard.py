@@ -289,6 +289,10 @@ class NgramShard:
         dist.all_gather(parts, self.weight.contiguous(), group=self.exchange.group)
         return torch.cat(parts)[: self.ngram_rows]
 
+    def pristine(self) -> bool:
+        """No event has run and nothing is queued: the table is still all zeros."""
+        return self.adam.event == 0 and not self._queue
+
     @torch.no_grad()
     def reset_(self) -> None:
         """Zero the table and its Adam state (a fresh start, e.g. after untimed warmup steps)."""
@@ -415,6 +419,10 @@ class ValueEmbedShard:
                 for p, table in enumerate(self.params):
                     table.data[lo:hi].copy_(block[p, : hi - lo])
 
+    def pristine(self) -> bool:
+        """No event has run and nothing is queued (the tables themselves belong to the model)."""
+        return self.step_count == 0 and not self._queue
+
     @torch.no_grad()
     def reset_(self) -> None:
         """Drop the Adam state and queued gradients (the tables belong to the model)."""
@@ -491,7 +499,12 @@ class SparseChannels:
         if rows is not None and rows.values.grad is not None:
             self.value_embeds.push(rows.ids, rows.values.grad)
 
+    def pristine(self) -> bool:
+        """Whether every channel is in its initial state (nothing to save for a reset)."""
+        return all(channel.pristine() for channel in self.channels().values())
+
     def reset_(self) -> None:
+        """Return every channel to its initial state (zero table, no optimizer state, empty queues)."""
         for channel in self.channels().values():
             channel.reset_()
 
