@@ -21,10 +21,12 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import CandidateSampler, full_cross_entropy, lm_head_loss
 from .optim.adam import DistAdam
 from .optim.combined import CombinedOptimizer
+from .optim.sparse_adam import SparseAdam
 from .schedule import Schedule
 
 
@@ -60,6 +62,10 @@ class OptimConfig:
         lm_head: settings of the lm_head.
         value_embeds: settings of the value-embedding tables.
         scalars: settings of the scalar gates and lambdas.
+        ngram: settings of the n-gram table's lazy row Adam (RECORD §4; beta1 must be 0).
+        sparse_value_embeds: value embeddings get compact gradients and update with the n-gram
+            table in the ``sparse`` optimizer part, on the sparse cadence (RECORD §5); False keeps
+            them in the dense Adam part.
     """
 
     matrix_optimizer: str = "anvil"
@@ -74,6 +80,8 @@ class OptimConfig:
     lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
     value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.75, 0.95), 5.0))
     scalars: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.99), 0.0))
+    ngram: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.0, 0.95), 5.0))
+    sparse_value_embeds: bool = True
 
     def __post_init__(self) -> None:
         if self.matrix_optimizer not in ("anvil", "adamw"):
@@ -119,6 +127,7 @@ class StepSettings:
     mtp_weights: tuple[float, ...] = (1.0,)
     prefix_weight: float = 0.0
     active_parts: Optional[tuple[str, ...]] = None
+    sparse_cadence_engaged: bool = False
 
 
 # Checkpoints store the hyperparameters as these dataclasses; allow them under torch.load's
@@ -162,6 +171,8 @@ class SpeedrunModule(L.LightningModule):
         self.model = GPT(gpt)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None
+        # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
+        self.sparse_channels: Optional[SparseChannels] = None
         self._forward = self.model
 
     # -- setup ---------------------------------------------------------------------
@@ -175,6 +186,14 @@ class SpeedrunModule(L.LightningModule):
             for p in roles[name]:
                 p.data = p.data.to(dtype)
         self.sampler = SliceSamplers(self.gpt_config.vocab_size)
+        if self.sparse_channels is None:
+            self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
+                                                         self.optim_config.sparse_value_embeds,
+                                                         fixed_shapes=self.compile)
+            pending = getattr(self, "_pending_sparse_state", None)
+            if pending is not None and self.sparse_channels is not None:
+                self.sparse_channels.load_state_dict(pending)
+                self._pending_sparse_state = None
         if self.compile:
             self._forward = torch.compile(self.model, dynamic=False)
 
@@ -217,14 +236,20 @@ class SpeedrunModule(L.LightningModule):
             parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
                                          process_group=pg)
+        sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
         for name, g in (("embed", o.embed), ("lm_head", o.lm_head), ("value_embeds", o.value_embeds),
                         ("scalars", o.scalars)):
-            if roles[name]:
+            if roles[name] and name not in sparse:
                 groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
                                    wd_mul=g.wd_mul))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
                                  cautious_wd=o.cautious_wd, process_group=pg)
+        if sparse:
+            settings = {name: dict(lr_mul=g.lr_mul, betas=tuple(g.betas), wd_mul=g.wd_mul)
+                        for name, g in (("ngram", o.ngram), ("value_embeds", o.value_embeds))}
+            parts["sparse"] = SparseAdam(sparse, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
+                                         groups=settings)
         return CombinedOptimizer(parts)
 
     # -- schedule hooks (called by callbacks.schedule.ScheduleCallback) ---------------
@@ -259,10 +284,15 @@ class SpeedrunModule(L.LightningModule):
         self.settings.active_parts = None if names is None else tuple(names)
 
     def active_parts_for(self, step: int) -> list[str]:
-        """Optimizer parts that update at ``step``: matrices every step, Adam on its cadence."""
+        """Optimizer parts that update at ``step``: matrices every step, Adam on its cadence, the
+        sparse channels on theirs (RECORD §5). Also notes whether ``step`` runs the sparse cadence
+        engaged (squared betas, doubled decay), which the sparse part applies when it steps."""
         parts = ["matrices"]
         if self.schedule.adam_step(step):
             parts.append("adam")
+        if self.sparse_channels is not None and self.schedule.sparse_step(step):
+            parts.append("sparse")
+            self.settings.sparse_cadence_engaged = self.schedule.sparse_cadence_engaged(step)
         return parts
 
     def _combined(self) -> CombinedOptimizer:
@@ -300,8 +330,9 @@ class SpeedrunModule(L.LightningModule):
             batch = self.prepare_batch(batch, self.global_step)
         return batch
 
-    def _micro_loss(self, mb: dict[str, Any]) -> Tensor:
-        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows)
+    def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
+        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
+                               **(sparse or {}))
         s = self.settings
         return lm_head_loss(
             hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
@@ -318,10 +349,17 @@ class SpeedrunModule(L.LightningModule):
         micro = batch if isinstance(batch, list) else [batch]
         total = torch.zeros((), device=self.device)
         for mb in micro:
-            loss = self._micro_loss(mb)
+            # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
+            sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+            loss = self._micro_loss(mb, sparse)
             self.manual_backward(loss / len(micro))
+            if sparse:
+                self.sparse_channels.push_grads(sparse)
             total += loss.detach()
-        self._combined().set_active(self.settings.active_parts)
+        combined = self._combined()
+        if "sparse" in combined.parts:
+            combined.parts["sparse"].set_cadence_engaged(self.settings.sparse_cadence_engaged)
+        combined.set_active(self.settings.active_parts)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total / len(micro)
@@ -349,6 +387,9 @@ class SpeedrunModule(L.LightningModule):
             "optimizer": copy.deepcopy(self._combined().state_dict()),
             "sampler": None if self.sampler is None else copy.deepcopy(self.sampler.state_dict()),
             "settings": copy.deepcopy(self.settings),
+            # a record-size n-gram shard is not copied: before any sparse event it is all zeros
+            "sparse": None if self.sparse_channels is None or self.sparse_channels.pristine()
+            else copy.deepcopy(self.sparse_channels.state_dict()),
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -364,10 +405,16 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        if self.sparse_channels is not None:
+            if state.get("sparse") is None:
+                self.sparse_channels.reset_()
+            else:
+                self.sparse_channels.load_state_dict(copy.deepcopy(state["sparse"]))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        sparse = self.sparse_channels.inputs(batch["inputs"], train=False) if self.sparse_channels else {}
         hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
-                            (self.schedule.val_window_short, self.schedule.val_window_long))
+                            (self.schedule.val_window_short, self.schedule.val_window_long), **sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
         return loss
@@ -390,12 +437,26 @@ class SpeedrunModule(L.LightningModule):
             torch.distributed.all_gather_object(gathered, samplers)
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
+        if self.sparse_channels is not None:
+            # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/ngram_shard.py)
+            checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("speedrun", {})
         self._pending_sampler_state = state.get("samplers")
         if "windows" in state:
             self.settings.windows = tuple(state["windows"])
+        sparse = checkpoint.get(RANK_LOCAL_KEY)
+        if isinstance(sparse, dict) and sparse.get("side_files"):
+            raise RuntimeError(
+                "this checkpoint keeps the n-gram table in per-rank side files (.ngram-rank<r>.pt), which only "
+                "trainer.strategy: speedrun reads; resume with that strategy and the same number of devices"
+            )
+        if sparse is not None:
+            if self.sparse_channels is None:
+                self._pending_sparse_state = sparse  # applied when setup builds the channels
+            else:
+                self.sparse_channels.load_state_dict(sparse)
 
     def on_train_start(self) -> None:
         pending = getattr(self, "_pending_sampler_state", None)
