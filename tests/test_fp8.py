@@ -423,10 +423,7 @@ def test_fp8_head_in_the_fused_loss_matches_the_reference(seed, sampled):
         if name == "reference":
             loss = lm_head_loss(h, w, targets, candidates=candidates, backend="reference")
         else:
-            head = Fp8Head(backend="emulated")
-            rows = n if name == "fp8" else None
-            real_prepare = head.prepare
-            head.prepare = lambda weight, cand, dtype: real_prepare(weight, cand, dtype, n_rows=rows)
+            head = Fp8Head(backend="emulated", loss_rows=n if name == "fp8" else None)
             loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head,
                                 chunk_rows=40)
         loss.backward()
@@ -444,14 +441,31 @@ def test_fp8_head_in_the_fused_loss_matches_the_reference(seed, sampled):
 
 
 def test_fp8_head_divisor_follows_the_loss_normalization():
-    head = Fp8Head(backend="emulated")
+    head = Fp8Head(backend="emulated", loss_rows=500)
     w = torch.nn.Parameter(0.05 * torch.randn(64, 32))
-    ops = head.prepare(w, None, torch.float32, n_rows=1000)
-    logits, factor = head.logits(normed(20, 32, torch.Generator().manual_seed(0)), ops)
-    assert logits.dtype == E4M3 and factor == 1.0
-    grad, div = head.grad_buffer(logits)
-    assert grad.dtype == E5M2 and grad.shape == logits.shape
-    assert div == pytest.approx(f8.HEAD_GRAD_SCALE / 1000)
+    x = normed(20, 32, torch.Generator().manual_seed(0))
+    for n_rows, want in ((None, 500), (1000, 1000)):
+        ops = head.prepare(w, None, torch.float32, n_rows=n_rows)
+        logits, factor = head.logits(x, ops)
+        assert logits.dtype == E4M3 and factor == 1.0
+        grad, div = head.grad_buffer(logits)
+        assert grad.dtype == E5M2 and grad.shape == logits.shape
+        assert div == pytest.approx(f8.HEAD_GRAD_SCALE / want)
+    head.loss_rows = None
+    head.prepare(w, None, torch.float32)
+    assert head.grad_buffer(head.logits(x, ops)[0])[1] == pytest.approx(f8.HEAD_GRAD_SCALE)
+
+
+def test_states_keep_fp32_scales_when_the_model_is_cast():
+    model = torch.nn.Module()
+    model.mlp = Fp8MLPState(backend="emulated")
+    model.head = Fp8Head(backend="emulated")
+    with torch.no_grad():
+        model.mlp.post_scale.fill_(0.0123456789)
+    model.bfloat16()
+    for name, buf in model.named_buffers():
+        assert buf.dtype in (torch.float32, torch.int64), name
+    assert float(model.mlp.post_scale) == pytest.approx(0.0123456789, rel=1e-7)
 
 
 # ---------------------------------------------------------------------------------------
@@ -556,9 +570,7 @@ def test_gpu_fp8_head_matches_emulation(sampled):
         h, w = hidden.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         head = None
         if backend != "bf16":
-            head = Fp8Head(backend=backend).cuda()
-            real_prepare = head.prepare
-            head.prepare = lambda weight, cand, dtype, _p=real_prepare: _p(weight, cand, dtype, n_rows=n)
+            head = Fp8Head(backend=backend, loss_rows=n).cuda()
         loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head, chunk_rows=1024)
         loss.backward()
         res[backend] = (loss.detach(), h.grad, w.grad)

@@ -351,6 +351,17 @@ class _Fp8State(nn.Module):
                 "and is not a view of a parameter), so its FP8 cache is rebuilt on every call. Pass the "
                 "parameters themselves (fp8_linear accepts a tuple of row blocks).", stacklevel=4)
 
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() must not round the scales: torch._scaled_mm and the
+        # kernels read them as fp32. Device moves still apply.
+        saved = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for k, old in saved.items():
+            new = self._buffers[k]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[k] = old.to(new.device)
+        return self
+
     def _count_refresh(self) -> None:
         self.refresh_count.add_(1)
         self._refreshes += 1
@@ -688,20 +699,25 @@ class Fp8Head(nn.Module):
     ``dx = G·W_C`` and ``dW_C = Gᵀ·x`` run in FP8 with ``use_fast_accum=False``.
 
     Gradient scale: the record's ``(0.75/8)/448`` is calibrated for a loss that *sums* the
-    rows (RECORD §1), where |dL/dℓ| <= 23/7.5·¼·S_w. A loss that averages over N rows makes
-    each gradient N times smaller; ``prepare(..., n_rows=N)`` then divides the divisor by N
-    so the stored e5m2 values keep the record's range.
+    rows (RECORD §1), where |dL/dℓ| <= 23/7.5·¼·S_w. A loss that averages over N rows
+    (``lm_head_loss`` does) makes each gradient N times smaller: set ``loss_rows = N``
+    before the loss call (or pass ``n_rows=N`` to ``prepare``) and the divisor shrinks by N,
+    so the stored e5m2 values keep the record's range. Left at None, most of a mean loss's
+    logit gradients underflow.
 
     Args:
         backend: ``"auto"``, ``"emulated"`` or ``"scaled_mm"``.
         logits_dtype: ``"e4m3"`` (the record) or ``"bf16"``.
         x_scale, weight_scale, grad_scale: the static scales (defaults: RECORD §7).
+        loss_rows: rows the loss averages over (None: the loss sums its rows); may be
+            reassigned before every loss call.
         config_key: the config option that switched the head to FP8, named in errors.
     """
 
     def __init__(self, backend: str = "auto", logits_dtype: Literal["e4m3", "bf16"] = "e4m3",
                  x_scale: float = HEAD_X_SCALE, weight_scale: float = HEAD_W_SCALE,
-                 grad_scale: float = HEAD_GRAD_SCALE, config_key: str = "model.gpt.fp8_head") -> None:
+                 grad_scale: float = HEAD_GRAD_SCALE, loss_rows: Optional[int] = None,
+                 config_key: str = "model.gpt.fp8_head") -> None:
         super().__init__()
         if logits_dtype not in ("e4m3", "bf16"):
             raise ValueError(f"{config_key}: logits_dtype must be 'e4m3' or 'bf16', got {logits_dtype!r}")
@@ -711,6 +727,7 @@ class Fp8Head(nn.Module):
         # Host copy of the gradient scale: the protocol hands the divisor out as a float,
         # and reading the buffer would synchronize with the GPU every micro-batch.
         self.grad_s = float(grad_scale)
+        self.loss_rows = loss_rows
         self._grad_div = self.grad_s
         self._kern: Any = None
         self._g_scale: Optional[Tensor] = None  # device copy of the gradient's dequantization scale
@@ -721,7 +738,7 @@ class Fp8Head(nn.Module):
                 n_rows: Optional[int] = None) -> _HeadOperands:
         """The e4m3 weight rows of this step (all, or the ``candidates``) in both layouts.
 
-        ``n_rows``: the N a mean-reduced loss divides by (None = a summed loss).
+        ``n_rows``: the N a mean-reduced loss divides by (default: ``self.loss_rows``).
         """
         st = self.state
         kern = st._kernels(weight.device)
@@ -731,6 +748,8 @@ class Fp8Head(nn.Module):
                              f"of {kern.row_align} for FP8 GEMMs")
         cache = st.cache_for((weight,), kern)
         self._kern = kern
+        self._chunk = None  # the last chunk of the previous call, if its weight gradient was not asked for
+        n_rows = n_rows if n_rows is not None else self.loss_rows
         self._grad_div = self.grad_s / n_rows if n_rows else self.grad_s
         self._g_scale = st.grad_scale / n_rows if n_rows else st.grad_scale
         if candidates is None:
