@@ -1,0 +1,206 @@
+"""Optimizer step time of ANVIL II at the record's matrix shapes on one GPU, against Muon and AdamW.
+
+What is measured (bf16 parameters, random bf16 gradients, one process, no communication):
+
+* **all matrices**: the record model's hidden matrices on one GPU: qk 7 x [2, 768, 768] seen
+  as 42 blocks of 256x768, v/o 14 x 768x768, MLP fc/proj 22 x 2816x768 (11 MLPs including
+  the parallel one; RECORD §8 "Banks and sharding").
+* **rank share at world 8**: the matrices one of 8 ranks owns and updates in the record
+  (6 qk blocks, 2 v/o, 3 MLP; RECORD §8), i.e. the per-GPU optimizer compute of the record,
+  without the reduce-scatter/all-gather (those overlap the work in the real run).
+* ANVIL paths: Triton kernels + torch.compile'd elementwise (``auto`` on a GPU), and the
+  plain PyTorch cascade without compile; ``torch.optim.Muon`` (2-D parameters only, so the
+  qk blocks are separate 256x768 parameters; 5 Newton-Schulz steps) and fused AdamW over
+  the same matrices, in the same run.
+* the cascade alone per bank shape, Triton vs PyTorch.
+
+Each row: median and p90 ms per ``step()`` over the timed steps (CUDA events), peak GPU
+memory during the steps (parameters, gradients, optimizer state and temporaries), the
+ratio to Muon and AdamW, and the share of a 45 ms training step (RECORD §11: stage 2
+runs at ~45-47 ms/step on 8xH100). The target is ANVIL <= 5% of a training step.
+
+Run: ``python benchmarks/optimizer_step.py [--quick]`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanogpt_pl.optim.anvil import Anvil  # noqa: E402
+from nanogpt_pl.optim.polar import polar_cascade  # noqa: E402
+
+RECORD_STEP_MS = 45.0  # RECORD §11: stage-2 step time of the record, ~45-47 ms
+TARGET_FRACTION = 0.05  # the task's target: the ANVIL step costs at most 5% of a training step
+# RECORD §2/§8: 7 attention layers, 11 MLPs (incl. the parallel one), model dim 768, MLP 2816,
+# heads of 128 grouped in pairs for the qk blocks.
+ATTN_LAYERS, MLPS, DIM, HIDDEN, QK_BLOCK = 7, 11, 768, 2816, 256
+# RECORD §8: one of 8 ranks owns 6 qk blocks (one layer's qk_w), 2 v/o and 3 MLP matrices.
+SHARE = dict(attn_layers=1, fc=2, proj=1)
+
+
+def record_matrices(attn_layers: int, fc: int, proj: int, device: torch.device) -> list[torch.nn.Parameter]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def param(*shape: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter((torch.randn(*shape, generator=g) * 0.02).to(device, torch.bfloat16))
+
+    out = []
+    for _ in range(attn_layers):
+        qk = param(2, DIM, DIM)
+        qk.anvil_block = (QK_BLOCK, DIM)
+        out += [qk, param(DIM, DIM), param(DIM, DIM)]
+    out += [param(HIDDEN, DIM) for _ in range(fc)]
+    for _ in range(proj):
+        p = param(HIDDEN, DIM)
+        p.anvil_lr_mul = 2.0  # RECORD §8: MLP c_proj at lr x2
+        out.append(p)
+    return out
+
+
+def as_2d(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The same matrices as 2-D parameters (Muon takes nothing else): qk blocks split out."""
+    out = []
+    for p in params:
+        block = getattr(p, "anvil_block", None)
+        if block is None:
+            out.append(torch.nn.Parameter(p.detach().clone()))
+        else:
+            out += [torch.nn.Parameter(m.clone()) for m in p.detach().view(-1, *block)]
+    return out
+
+
+def fill_grads(params: list[torch.nn.Parameter]) -> None:
+    g = torch.Generator(device=params[0].device).manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, device=p.device, generator=g).to(p.dtype)
+
+
+def time_fn(fn: Callable[[], None], warmup: int, steps: int) -> tuple[float, float, float]:
+    """(median ms, p90 ms, peak MiB) of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak
+
+
+def optimizer_row(name: str, build: Callable[[], tuple[torch.optim.Optimizer, list]], warmup: int, steps: int,
+                  schedule: bool) -> dict:
+    torch.cuda.empty_cache()
+    opt, params = build()
+    fill_grads(params)
+    step = [0]
+
+    def run() -> None:
+        if schedule:
+            group = opt.param_groups[0]
+            group["lr"], group["momentum"] = 0.023, 0.93
+        opt.step()
+        step[0] += 1
+
+    median, p90, peak = time_fn(run, warmup, steps)
+    del opt, params
+    return dict(name=name, median=median, p90=p90, peak=peak)
+
+
+def cascade_row(name: str, shape: tuple[int, int, int], backend: str, warmup: int, steps: int) -> dict:
+    g = torch.randn(*shape, device="cuda")
+    median, p90, peak = time_fn(lambda: polar_cascade(g, backend=backend), warmup, steps)
+    return dict(name=name, median=median, p90=p90, peak=peak)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a rough number in ~1 minute)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (compile, autotune)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/optimizer_step.py measures GPU time: run it on a CUDA machine")
+    warmup = args.warmup or (3 if args.quick else 10)
+    steps = args.steps or (10 if args.quick else 50)
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    print(f"device: {name}; torch {torch.__version__}; warmup {warmup}, timed steps {steps}")
+
+    rows: list[dict] = []
+    for scope, kw in (("all matrices", dict(attn_layers=ATTN_LAYERS, fc=MLPS, proj=MLPS)),
+                      ("rank share at world 8", SHARE)):
+        def anvil(backend: str, compile: Optional[bool]) -> Callable:
+            def build():
+                params = record_matrices(device=dev, **kw)
+                return Anvil(params, backend=backend, compile=compile, engage_step=0), params
+            return build
+
+        def muon():
+            params = as_2d(record_matrices(device=dev, **kw))
+            return torch.optim.Muon(params, lr=0.023, weight_decay=0.0, momentum=0.95), params
+
+        def adamw():
+            params = record_matrices(device=dev, **kw)
+            return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True), params
+
+        scoped = [
+            optimizer_row(f"{scope}: ANVIL triton+compile", anvil("auto", None), warmup, steps, True),
+            optimizer_row(f"{scope}: ANVIL triton, eager", anvil("triton", False), warmup, steps, True),
+            optimizer_row(f"{scope}: ANVIL torch+compile", anvil("torch", True), warmup, steps, True),
+            optimizer_row(f"{scope}: ANVIL torch, eager", anvil("torch", False), warmup, steps, True),
+        ]
+        base = {}
+        if hasattr(torch.optim, "Muon"):
+            base["muon"] = optimizer_row(f"{scope}: torch.optim.Muon", muon, warmup, steps, False)
+        base["adamw"] = optimizer_row(f"{scope}: torch AdamW (fused)", adamw, warmup, steps, False)
+        for r in scoped + list(base.values()):
+            r["vs_muon"] = r["median"] / base["muon"]["median"] if "muon" in base else float("nan")
+            r["vs_adamw"] = r["median"] / base["adamw"]["median"]
+            r["of_step"] = r["median"] / RECORD_STEP_MS
+        rows += scoped + list(base.values())
+
+    cascade = []
+    for shape in ((42, QK_BLOCK, DIM), (14, DIM, DIM), (22, HIDDEN, DIM), (6, QK_BLOCK, DIM), (3, HIDDEN, DIM)):
+        t = cascade_row(f"cascade {shape[0]}x{shape[1]}x{shape[2]}: triton", shape, "triton", warmup, steps)
+        r = cascade_row(f"cascade {shape[0]}x{shape[1]}x{shape[2]}: torch", shape, "torch", warmup, steps)
+        t["vs_torch"] = t["median"] / r["median"]
+        r["vs_torch"] = 1.0
+        cascade += [t, r]
+
+    print()
+    print(f"{'optimizer step (bf16 matrices)':52s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} "
+          f"{'x Muon':>7s} {'x AdamW':>8s} {'% of 45ms':>9s}")
+    for r in rows:
+        print(f"{r['name']:52s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_muon']:7.2f} "
+              f"{r['vs_adamw']:8.2f} {100 * r['of_step']:8.2f}%")
+    print()
+    print(f"{'cascade alone (6 maps, bf16)':52s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} {'x torch':>7s}")
+    for r in cascade:
+        print(f"{r['name']:52s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_torch']:7.2f}")
+    share = next(r for r in rows if r["name"] == "rank share at world 8: ANVIL triton+compile")
+    full = next(r for r in rows if r["name"] == "all matrices: ANVIL triton+compile")
+    print()
+    print(f"target: ANVIL <= {100 * TARGET_FRACTION:.0f}% of a {RECORD_STEP_MS:.0f} ms step. "
+          f"Rank share at world 8: {100 * share['of_step']:.2f}% "
+          f"({'met' if share['of_step'] <= TARGET_FRACTION else 'NOT met'}); "
+          f"all matrices on one GPU: {100 * full['of_step']:.2f}% "
+          f"({'met' if full['of_step'] <= TARGET_FRACTION else 'NOT met'}).")
+
+
+if __name__ == "__main__":
+    main()
