@@ -8,9 +8,10 @@ Formats, and why:
 * **e5m2 for the gradients of the MLP and the lm_head**: gradients span many binades
   (they scale with the loss and vary token to token), so the 5-bit exponent
   (2⁻¹⁶ .. 57344) matters more than the third mantissa bit.
-* **e4m3 for the QKV backward** (the record's choice): the incoming dQ/dK/dV come out
-  of the per-head RMS norm and rotary, whose backward keeps them in a narrow band, so the
-  extra mantissa bit is worth more there than range.
+* **e4m3 for the QKV backward**, as the record ships it: one more mantissa bit for
+  dQ/dK/dV at the price of range, which at the static scale 1/448 is 2⁻¹⁸ .. 1 (|g| above 1
+  saturates). The record trains with it, so those gradients evidently fit that window;
+  ``Fp8LinearState(grad_dtype="e5m2")`` is the wider alternative.
 
 Scales (all per tensor, fp32, held as buffers so checkpoints carry them):
 
@@ -33,10 +34,10 @@ reduction dimension, so the weight caches hold a row-major and a column-major co
 activations / gradients are quantized in both layouts by one Triton pass.
 
 The static gradient scales assume the record's loss normalization: the **sum** of the
-per-token losses of a rank (RECORD §1), which makes per-element gradients O(1e-3..1). A
-loss averaged over N tokens makes every gradient N times smaller; then divide the
-``grad_scale`` of each state by N (or backpropagate ``loss·N``), or most gradients
-underflow.
+per-token losses of a rank (RECORD §1). A loss averaged over N tokens makes every gradient
+N times smaller (at N = 49,152 that is 15.6 binades, most of e5m2's range): then
+backpropagate ``loss·N``, or divide the ``grad_scale`` buffer of each state by N (and set
+``Fp8Head.loss_rows``), or most gradients underflow.
 
 Weight caches are rebuilt once per optimizer step, not per micro-batch: a weight's
 ``_version`` counter (bumped by every in-place update made through autograd-visible ops,
@@ -307,7 +308,11 @@ def _scalar(value: float) -> Tensor:
 
 
 class _Fp8State(nn.Module):
-    """Backend choice, device handling and cache invalidation shared by the FP8 states."""
+    """Backend choice, device handling and cache invalidation shared by the FP8 states.
+
+    The scale buffers are read through reciprocals computed at each cache refresh: an edit
+    to a buffer takes effect at the next refresh (``invalidate()`` forces one).
+    """
 
     def __init__(self, backend: str, config_key: str) -> None:
         super().__init__()
