@@ -552,15 +552,17 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 def save_rank_local(checkpoint: dict[str, Any], filepath: str | os.PathLike, rank: int, world_size: int,
-                    inline_limit: int = INLINE_STATE_LIMIT_BYTES) -> dict[str, Any]:
+                    inline_limit: Optional[int] = None) -> dict[str, Any]:
     """Write this rank's ``checkpoint[RANK_LOCAL_KEY]`` to its side file; return the dict for the main file.
 
     Called on every rank. With one rank and a state under ``inline_limit`` bytes the
     state stays inline; otherwise each rank writes ``<filepath>.ngram-rank<r>.pt`` itself
-    and the main checkpoint keeps only a marker with the world size.
+    and the main checkpoint keeps only a marker with the world size. ``inline_limit``
+    defaults to :data:`INLINE_STATE_LIMIT_BYTES`.
     """
     state = checkpoint.get(RANK_LOCAL_KEY)
-    if state is None or (world_size == 1 and _tensor_bytes(state) <= inline_limit):
+    limit = INLINE_STATE_LIMIT_BYTES if inline_limit is None else inline_limit
+    if state is None or (world_size == 1 and _tensor_bytes(state) <= limit):
         return checkpoint
     path = rank_file(filepath, rank)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -1,0 +1,180 @@
+"""The n-gram channel and compact value-embedding rows inside the GPT, and in a Lightning run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanogpt_pl.distributed.ngram_shard import (
+    RANK_LOCAL_KEY,
+    NgramShard,
+    ValueEmbedShard,
+    rank_file,
+)
+from nanogpt_pl.model.embeddings import NgramInput, ngram_row_ids, ngram_sign_rows
+from nanogpt_pl.model.gpt import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROWS = 1 << 12
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=384, num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=96,
+                long_window_layers=[3], value_embed_layers=[1, 2], skip_from=1, skip_to=3,
+                ngram_rows=ROWS, ngram_layers=[1, 3])
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def batch(seed: int, n: int = 80, vocab: int = 384):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    cu = torch.tensor([0, n // 3, n, n], dtype=torch.int32)
+    return ids, cu, gen
+
+
+def model_and_shard(seed: int, **kw):
+    torch.manual_seed(seed)
+    model = GPT(tiny(**kw))
+    shard = NgramShard(model.cfg.ngram_rows, model.cfg.model_dim)
+    shard.weight.normal_(generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():  # non-trivial gates and output projections so every path carries signal
+        model.ngram_gates.uniform_(0.5, 1.5)
+        for block in model.blocks:
+            if block.attn is not None:
+                block.attn.o_w.normal_(std=0.05)
+            if block.mlp is not None:
+                block.mlp.proj_w.normal_(std=0.05)
+    return model, shard
+
+
+def full_table_input(shard: NgramShard, ids: torch.Tensor) -> NgramInput:
+    """The whole table as the 'compact' leaf, indexed by raw row ids (the uncompacted reference)."""
+    values = shard.weight[: shard.ngram_rows].clone().requires_grad_()
+    return NgramInput(values=values, index=ngram_row_ids(ids, shard.ngram_rows), sign_rows=ngram_sign_rows(ids))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compact_rows_equal_the_whole_table_in_the_gpt(seed):
+    model, shard = model_and_shard(seed)
+    ids, cu, gen = batch(seed)
+    w = torch.randn(model.cfg.model_dim, generator=gen)
+    compact = shard.prepare(ids)
+    out = model(ids, cu, 40, (16, 64), ngram=compact)
+    (out @ w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    full = full_table_input(shard, ids)
+    ref = model(ids, cu, 40, (16, 64), ngram=full)
+    (ref @ w).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(compact.values.grad, full.values.grad[compact.rows], rtol=1e-5, atol=1e-6)
+    assert compact.values.grad.abs().sum() > 0
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_compact_value_embedding_rows_equal_the_dense_lookup(seed):
+    model, shard = model_and_shard(seed)
+    ids, cu, gen = batch(seed)
+    w = torch.randn(model.cfg.model_dim, generator=gen)
+    ng = shard.prepare(ids)
+    ve = ValueEmbedShard(list(model.value_embeds)).prepare(ids)
+    out = model(ids, cu, 40, (16, 64), ngram=ng, value_rows=ve)
+    (out @ w).sum().backward()
+    assert all(p.grad is None for p in model.value_embeds)  # no dense [vocab, D] gradient
+    compact_grad = ve.values.grad
+    assert compact_grad.shape == (2, torch.unique(ids).numel(), model.cfg.model_dim)
+    model.zero_grad()
+    ref = model(ids, cu, 40, (16, 64), ngram=shard.prepare(ids))
+    (ref @ w).sum().backward()
+    torch.testing.assert_close(out, ref)
+    for p, plane in enumerate(model.value_embeds):
+        torch.testing.assert_close(compact_grad[p], plane.grad[ve.ids], rtol=1e-5, atol=1e-6)
+        assert compact_grad[p].abs().sum() > 0
+
+
+def test_ngram_enters_at_the_start_and_at_the_configured_layers():
+    model, shard = model_and_shard(5)
+    ids, cu, _ = batch(5)
+    base = model(ids, cu, 40, (16, 64), ngram=shard.prepare(ids)).detach()
+    for k in range(3):  # the residual start, layer 1, layer 3
+        with torch.no_grad():
+            model.ngram_gates[k] += 0.5
+        moved = model(ids, cu, 40, (16, 64), ngram=shard.prepare(ids)).detach()
+        assert not torch.allclose(moved, base), k
+        base = moved
+    with torch.no_grad():
+        model.ngram_gates.zero_()
+    a = model(ids, cu, 40, (16, 64), ngram=shard.prepare(ids))
+    shard.weight.mul_(3)
+    b = model(ids, cu, 40, (16, 64), ngram=shard.prepare(ids))
+    torch.testing.assert_close(a, b)  # with all gates at zero the table has no effect
+
+
+def test_gate_init_and_errors():
+    model = GPT(tiny())
+    assert torch.equal(model.ngram_gates, torch.full((3,), 0.05))
+    assert not any(n.startswith("ngram.") for n, _ in model.named_parameters())  # only the sign buffer
+    ids, cu, _ = batch(0)
+    with pytest.raises(ValueError, match="ngram_rows"):
+        model(ids, cu, 40, (16, 64))
+    with pytest.raises(ValueError, match="ngram_rows"):
+        GPT(tiny(ngram_rows=0))(ids, cu, 40, (16, 64), ngram=NgramShard(ROWS, 64).prepare(ids))
+    with pytest.raises(ValueError, match="ngram_rows"):
+        tiny(ngram_rows=1001)
+    with pytest.raises(ValueError, match="ngram_layers"):
+        tiny(ngram_layers=[7])
+    tiny(ngram_rows=0, ngram_layers=[7])  # the layers are ignored (and unchecked) when the table is off
+
+
+# -- Lightning end to end ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def toy_files(tmp_path_factory):
+    from train_helpers import write_markov_shards
+
+    return write_markov_shards(tmp_path_factory.mktemp("toy"), n_train=150_000, n_val=20_000)
+
+
+def ngram_run(files, steps: int):
+    from train_helpers import make_run, tiny_gpt, tiny_schedule
+
+    sched = tiny_schedule(steps, adam_every=2, sparse_cadence=4, sparse_cadence_start=2)
+    return make_run(files, sched, gpt=tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1]), val_tokens=2048)
+
+
+@pytest.mark.slow
+def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(toy_files, tmp_path, monkeypatch):
+    from train_helpers import LossRecorder, make_trainer
+
+    import nanogpt_pl.distributed.ngram_shard as ngram_shard
+
+    monkeypatch.setattr(ngram_shard, "INLINE_STATE_LIMIT_BYTES", 0)  # force the side file at one rank
+    module, data = ngram_run(toy_files, 4)
+    rec = LossRecorder()
+    trainer = make_trainer(tmp_path, callbacks=[rec])
+    trainer.fit(module, data)
+    shard = module.sparse_channels.ngram
+    assert sorted(rec.losses) == list(range(4)) and rec.val is not None
+    # events at step 1 (every 2nd step) and step 3 (every 4th from step 2, cadence engaged)
+    assert shard.adam.event == 2 and module.sparse_channels.value_embeds.step_count == 2
+    assert shard.adam.beta2_segments == [(1, 0.95), (2, pytest.approx(0.95**2))]
+    assert shard.weight.abs().sum() > 0 and "sparse" in module.optimizers().optimizer.parts
+    assert all(p.grad is None for p in module.model.value_embeds)
+    ckpt = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert Path(rank_file(ckpt, 0)).exists()
+    main = torch.load(ckpt, weights_only=False)
+    assert main[RANK_LOCAL_KEY] == {"side_files": True, "world_size": 1}
+    loaded = trainer.strategy.load_checkpoint(ckpt)
+    state = loaded[RANK_LOCAL_KEY]["ngram"]
+    assert torch.equal(state["weight"], shard.weight) and state["adam"]["event"] == 2
+    trainer.strategy.remove_checkpoint(ckpt)
+    assert not Path(rank_file(ckpt, 0)).exists()
