@@ -219,7 +219,9 @@ class NgramShard:
         try:
             # RECORD §2 "Initialization": the n-gram table starts at zero.
             self.weight = torch.zeros(self.rows_per_rank, dim, dtype=dtype, device=device)
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
+                raise
             gib = self.rows_per_rank * dim * torch.finfo(dtype).bits / 8 / 2**30
             raise RuntimeError(
                 f"model.gpt.ngram_rows={ngram_rows:,}: this rank's shard needs {gib:.1f} GiB on {device}; "

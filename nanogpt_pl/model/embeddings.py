@@ -26,9 +26,24 @@ gets the bigram of (last token of the previous document, its BOS). Only position
 of the packed sequence (and 1 for the trigram) gets the reserved row.
 
 Collisions: a bigram is one of 50,304² ≈ 2.5e9 pairs and the bigram half has
-``H - 1`` hashed rows (42.3M in the record), so distinct n-grams must share rows; on
-text the rate is close to what uniform hashing predicts (``tests/test_ngram_hash.py``
-measures it; the benchmark prints it for real text).
+``H - 1`` hashed rows (42.3M in the record), so distinct n-grams must share rows. The
+XOR-multiply hashes behave like uniform hashing: the fraction of distinct n-grams that
+share their row with another one matches ``1 - E[occupied rows]/n`` of a uniform hash
+(``tests/test_ngram_hash.py``). Measured on the GPT-2 tokens of Python's help topics
+(139k tokens; 31.7k distinct bigrams, 58.4k distinct trigrams):
+
+==============  ================  =================  ==========================
+table rows      bigram collided   trigram collided   uniform hashing predicts
+==============  ================  =================  ==========================
+84,602,880      0.03 %            0.07 %             0.04 % / 0.07 %
+1,048,576       3.0 %             5.4 %              3.0 % / 5.4 %
+65,536          36 %              53 %               36 % / 53 %
+==============  ================  =================  ==========================
+
+Collided n-grams still differ in their sign rows (8192 of them), so a shared row is
+read with independent ±1 patterns and the collision acts as noise rather than as a
+copy. The benchmark (``benchmarks/ngram_table.py``) prints the unique-row fractions of
+a training batch on real text.
 """
 
 from __future__ import annotations
