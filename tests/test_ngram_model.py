@@ -178,3 +178,36 @@ def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(toy_files, t
     assert torch.equal(state["weight"], shard.weight) and state["adam"]["event"] == 2
     trainer.strategy.remove_checkpoint(ckpt)
     assert not Path(rank_file(ckpt, 0)).exists()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path):
+    """devices=2 (gloo, one micro-batch each) vs devices=1 (two micro-batches): same weights, same table."""
+    from test_cli import run_cli, toy_config
+    from train_helpers import write_markov_shards
+
+    from nanogpt_pl.distributed.ngram_shard import load_rank_local
+
+    files = write_markov_shards(tmp_path / "toy", n_train=150_000, n_val=20_000)
+    rows = 1 << 14
+    overrides = {"model.gpt.ngram_rows": rows, "model.gpt.ngram_layers": [1], "schedule.adam_every": 2,
+                 "schedule.sparse_cadence": 4, "schedule.sparse_cadence_start": 2}
+    results = {}
+    for devices in (1, 2):
+        work = tmp_path / f"d{devices}"
+        work.mkdir()
+        cfg = toy_config(work, files, **overrides)
+        out = run_cli(["fit", "--config", str(cfg), "--trainer.devices", str(devices)], work)
+        assert out.returncode == 0, out.stderr[-3000:]
+        path = work / "ckpt" / "last.ckpt"
+        main = torch.load(path, map_location="cpu", weights_only=False)
+        tables = [load_rank_local(main, path, r, devices)[RANK_LOCAL_KEY]["ngram"]["weight"] for r in range(devices)]
+        results[devices] = (main, torch.cat(tables)[:rows])
+    (one, table1), (two, table2) = results[1], results[2]
+    assert two[RANK_LOCAL_KEY] == {"side_files": True, "world_size": 2}  # each rank wrote its own shard
+    assert one["global_step"] == two["global_step"] == 6
+    for k, v in one["state_dict"].items():
+        if isinstance(v, torch.Tensor) and torch.is_floating_point(v):
+            torch.testing.assert_close(two["state_dict"][k], v, atol=2e-5, rtol=1e-4, msg=k)
+    assert table1.abs().sum() > 0
+    torch.testing.assert_close(table2, table1, atol=2e-5, rtol=1e-4)
