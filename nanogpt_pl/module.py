@@ -190,6 +190,15 @@ class SpeedrunModule(L.LightningModule):
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
                                                          fixed_shapes=self.compile)
+            from .distributed.strategy import SpeedrunStrategy
+
+            if (self.sparse_channels is not None and self.trainer.world_size > 1
+                    and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
+                raise RuntimeError(
+                    "the n-gram table (model.gpt.ngram_rows) and sparse value embeddings "
+                    "(model.optim.sparse_value_embeds) keep per-rank state and gradients outside autograd; "
+                    f"with several devices use trainer.strategy: speedrun (got {type(self.trainer.strategy).__name__})"
+                )
             pending = getattr(self, "_pending_sparse_state", None)
             if pending is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(pending)
