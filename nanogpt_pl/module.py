@@ -343,9 +343,13 @@ class SpeedrunModule(L.LightningModule):
         hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
                                **(sparse or {}))
         s = self.settings
+        head = self.model.fp8_head
+        if head is not None:
+            head.loss_rows = hidden.shape[0]  # the loss is a mean over these rows
         return lm_head_loss(
             hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
             prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
+            head=head,
         )
 
     def run_step(self, batch: list[dict[str, Any]]) -> Tensor:
@@ -361,7 +365,9 @@ class SpeedrunModule(L.LightningModule):
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
             loss = self._micro_loss(mb, sparse)
-            self.manual_backward(loss / len(micro))
+            # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
+            # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
+            self.manual_backward(loss * (mb["targets"].numel() / len(micro)))
             if sparse:
                 self.sparse_channels.push_grads(sparse)
             total += loss.detach()

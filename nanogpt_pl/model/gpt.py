@@ -192,8 +192,8 @@ class CausalSelfAttention(nn.Module):
         if self.fp8_qkv and self.training:
             from ..ops.fp8 import fp8_linear
 
-            w = torch.cat([self.qk_w.flatten(0, 1), self.v_w])
-            qkv = fp8_linear(x, w, self.fp8_state)
+            # the weight parts are passed separately so the FP8 cache follows each one's version
+            qkv = fp8_linear(x, (self.qk_w.flatten(0, 1), self.v_w), self.fp8_state)
         else:
             w = torch.cat([self.qk_w.flatten(0, 1), self.v_w]).type_as(x)
             qkv = x @ w.t()
@@ -275,6 +275,12 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.zeros(()))
         if cfg.skip_from is not None:
             self.skip_lambda = nn.Parameter(torch.tensor(SKIP_LAMBDA_INIT))
+        self.fp8_head = None
+        if cfg.fp8_head:
+            from ..ops.fp8 import Fp8Head
+
+            # the lm_head GEMMs of the training loss (RECORD §7); validation stays bf16
+            self.fp8_head = Fp8Head(backend=cfg.fp8_backend)
 
     # -- embeddings ------------------------------------------------------------------
     def embedding_weight(self) -> Tensor:
