@@ -412,6 +412,21 @@ def test_state_dict_resumes_bit_exactly(dtype: torch.dtype) -> None:
         assert (ba.sidecar is None and bb.sidecar is None) or torch.equal(ba.sidecar, bb.sidecar)
 
 
+def test_record_banks_split_like_the_record_at_world_8() -> None:
+    """RECORD §8: at 8 ranks each owns 6 qk, 2 vo and 3 mlp matrices (banks padded to 48, 16, 24)."""
+    from nanogpt_pl.optim.adam import row_range
+
+    for count, per in ((42, 6), (14, 2), (22, 3)):
+        spans = [row_range(count, 8, r) for r in range(8)]
+        assert all(p == per for _, _, p in spans)
+        assert [i for lo, hi, _ in spans for i in range(lo, hi)] == list(range(count))
+    for count in (1, 2, 3, 5, 7):
+        for world in (2, 4, 8):
+            spans = [row_range(count, world, r) for r in range(world)]
+            assert [i for lo, hi, _ in spans for i in range(lo, hi)] == list(range(count))
+            assert spans[0][2] * world >= count
+
+
 def test_initial_lr_and_schedule_hooks() -> None:
     opt = Anvil(make_params(0), lr=0.023, backend="torch", compile=False)
     group = opt.param_groups[0]

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
 
 # RECORD.md §8 "Hyperparameters" [L360@186k] and "Per-matrix update" steps 1, 4, 5.
@@ -424,8 +425,7 @@ class Anvil(torch.optim.Optimizer):
                 muls += self._lr_muls(p, n)
                 start += n
             count = start
-            per_rank = -(-count // w)
-            lo, hi = min(k * per_rank, count), min((k + 1) * per_rank, count)
+            lo, hi, per_rank = row_range(count, w, k)
             shape_mul = math.sqrt(max(1.0, rows / cols))
             dev = self.device
             owned = hi - lo
