@@ -33,6 +33,7 @@ def apply_schedule(pl_module: L.LightningModule, step: int, previous_step: int |
     pl_module.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
     pl_module.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
     pl_module.set_active_parts(pl_module.active_parts_for(step))
+    pl_module.set_tied(sched.tied(step), untie_now=step > 0 and sched.tied(step - 1) and not sched.tied(step))
 
 
 class ScheduleCallback(L.Callback):

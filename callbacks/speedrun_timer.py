@@ -30,8 +30,9 @@ RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
     """Steps whose shapes and settings cover the whole run, in schedule order.
 
-    Steps 0 and 1, the two steps on each side of every stage boundary, and the first two
-    steps of every new (batch shape, windows, candidates, MTP length, prefix on/off)
+    Steps 0 and 1, the two steps on each side of every stage boundary, four steps from each
+    optimizer event (ANVIL's engage step, the sparse cadence start, the untie), and the first
+    two steps of every new (batch shape, windows, candidates, MTP length, prefix on/off)
     configuration; at most ``limit`` steps (RECORD §11 visits 37 of a budget of 40).
     """
     total = schedule.total_steps
@@ -39,6 +40,11 @@ def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
     for i in range(1, len(schedule.stages)):
         b = schedule.stage_start(i)
         steps.update(range(max(0, b - 2), min(total, b + 2)))
+    # optimizer-side events: the slow-rail engage, the 4-step sparse cadence, the untie
+    events = [schedule.anvil_engage_step, schedule.sparse_cadence_start, schedule.untie_step]
+    for e in events:
+        if e is not None and 0 < e < total:
+            steps.update(range(e, min(total, e + 4)))
     seen = set()
     for s in range(total):
         key = (schedule.batch_tokens(s), schedule.seq_len(s), schedule.windows(s), schedule.candidates(s),

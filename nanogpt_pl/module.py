@@ -58,6 +58,10 @@ class OptimConfig:
         adam_eps: Adam's epsilon (RECORD §8: 1e-10).
         adam_weight_decay: decay per unit lr of the Adam families, times each family's wd_mul.
         cautious_wd: decay only where the update and the weight agree in sign.
+        adam_decay_lr_power: Adam decay per step is (lr·lr_mul)^power·adam_weight_decay·wd_mul;
+            2 is the record's (RECORD §8), 1 is ordinary AdamW.
+        shard_embeddings: embed and lm_head Adam state and updates split by rows over the ranks
+            (reduce-scatter, update, all-gather; RECORD §8).
         embed: settings of the token embedding.
         lm_head: settings of the lm_head.
         value_embeds: settings of the value-embedding tables.
@@ -76,6 +80,8 @@ class OptimConfig:
     adam_eps: float = 1e-10
     adam_weight_decay: float = 0.005
     cautious_wd: bool = True
+    adam_decay_lr_power: int = 2
+    shard_embeddings: bool = True
     embed: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
     lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
     value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.75, 0.95), 5.0))
@@ -128,6 +134,7 @@ class StepSettings:
     prefix_weight: float = 0.0
     active_parts: Optional[tuple[str, ...]] = None
     sparse_cadence_engaged: bool = False
+    tied: bool = False
 
 
 # Checkpoints store the hyperparameters as these dataclasses; allow them under torch.load's
@@ -251,9 +258,9 @@ class SpeedrunModule(L.LightningModule):
                         ("scalars", o.scalars)):
             if roles[name] and name not in sparse:
                 groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
-                                   wd_mul=g.wd_mul))
+                                   wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
-                                 cautious_wd=o.cautious_wd, process_group=pg)
+                                 cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power)
         if sparse:
             settings = {name: dict(lr_mul=g.lr_mul, betas=tuple(g.betas), wd_mul=g.wd_mul)
                         for name, g in (("ngram", o.ngram), ("value_embeds", o.value_embeds))}
@@ -291,6 +298,20 @@ class SpeedrunModule(L.LightningModule):
     def set_active_parts(self, names: Optional[list[str]]) -> None:
         """Optimizer parts that update at the end of this step (None = all)."""
         self.settings.active_parts = None if names is None else tuple(names)
+
+    def set_tied(self, tied: bool, untie_now: bool = False) -> None:
+        """Tie the embedding to the lm_head for this step; ``untie_now`` hands it its own update.
+
+        While tied (RECORD §2), the embedding's gradient is added to the lm_head's, only the
+        lm_head is updated, and the embedding copies it after each update. At the untie step
+        the embedding inherits the lm_head's Adam moments and step count.
+        """
+        if untie_now:
+            adam = self._combined().parts["adam"]
+            head, emb = self.model.lm_head, self.model.embed
+            if head in adam.state:
+                adam.state[emb] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in adam.state[head].items()}
+        self.settings.tied = tied
 
     def active_parts_for(self, step: int) -> list[str]:
         """Optimizer parts that update at ``step``: matrices every step, Adam on its cadence, the
@@ -375,7 +396,16 @@ class SpeedrunModule(L.LightningModule):
         if "sparse" in combined.parts:
             combined.parts["sparse"].set_cadence_engaged(self.settings.sparse_cadence_engaged)
         combined.set_active(self.settings.active_parts)
+        tied = self.settings.tied
+        if tied:
+            emb, head = self.model.embed, self.model.lm_head
+            if emb.grad is not None:
+                head.grad = emb.grad if head.grad is None else head.grad.add_(emb.grad)
+                emb.grad = None
         opt.step()
+        if tied and "adam" in combined.active_names():
+            with torch.no_grad():
+                emb.copy_(head)
         opt.zero_grad(set_to_none=True)
         return total / len(micro)
 

@@ -71,7 +71,7 @@ class Schedule:
     """The run's stage table and the step-indexed scalars derived from it.
 
     Args:
-        stages: the stage table, in order.
+        stages: the stage table, in order; ``None`` = the record's table (RECORD §9).
         warmup_steps: linear lr warmup from 0 over this many steps (the record uses none).
         cooldown_frac: fraction of the scheduled (non-extension) steps spent cooling down.
         final_lr_mul: the absolute lr multiplier reached at the end of the cooldown; the
@@ -86,15 +86,17 @@ class Schedule:
         sparse_cadence: the cadence after ``sparse_cadence_start`` (4).
         adam_every: Adam groups update every this many steps, on the last step of each
             cycle (RECORD §8: 2, odd steps).
-        untie_step: the step at which the tied embedding and lm_head become two parameters;
-            ``None`` = never tied by the schedule (RECORD §2: 1175).
+        untie_step: until this step the embedding and the lm_head are tied: the embedding's
+            gradient is added to the lm_head's, only the lm_head is updated and the embedding
+            copies it; from this step each has its own update (RECORD §2: 1175). ``None`` =
+            never tied.
         val_window_short: short window of validation passes (tokens).
         val_window_long: long window of validation passes (RECORD §9: 2560).
         attention_cap: pieces longer than this are split into attention segments when the
             document cap exceeds it (RECORD §1: 2560); ``None`` disables.
     """
 
-    stages: list[Stage] = field(default_factory=_record_stages)
+    stages: Optional[list[Stage]] = None
     warmup_steps: int = 0
     cooldown_frac: float = 0.80
     final_lr_mul: float = 0.30
@@ -112,6 +114,8 @@ class Schedule:
     attention_cap: Optional[int] = 2560
 
     def __post_init__(self) -> None:
+        if self.stages is None:
+            self.stages = _record_stages()
         if not self.stages:
             raise ValueError("schedule.stages is empty: give at least one stage")
         self._ends: list[int] = []

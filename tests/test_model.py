@@ -128,11 +128,9 @@ def test_param_roles_cover_every_parameter_once():
     assert all(p.ndim >= 2 for p in roles["matrices"])
 
 
-def test_tied_embedding_and_untie():
-    model = GPT(tiny_config(tie_embed=True))
-    assert model.embedding_weight() is model.lm_head
-    model.untie()
-    assert model.embed is not None and torch.equal(model.embed, model.lm_head)
+def test_embedding_starts_as_a_copy_of_the_lm_head():
+    model = GPT(tiny_config())
+    assert torch.equal(model.embed, model.lm_head)
     assert model.embed.data_ptr() != model.lm_head.data_ptr()
 
 

@@ -58,7 +58,6 @@ class GPTConfig:
         smear: mix a gated copy of the previous token's embedding into each token's embedding.
         attn_scale: softmax scale of attention before YaRN (RECORD §2 uses 0.13 / 0.085 per width).
         attention_backend: ``auto``, ``sdpa`` (dense reference, CPU), ``varlen`` or ``flex`` (CUDA).
-        tie_embed: the embedding reads the lm_head weight (the record ties them until step 1175).
         fp8_mlp: run the MLP matmuls in FP8 (CUDA, or emulated on CPU).
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
@@ -85,7 +84,6 @@ class GPTConfig:
     smear: bool = True
     attn_scale: float = 0.12
     attention_backend: str = "auto"
-    tie_embed: bool = False
     fp8_mlp: bool = False
     fp8_head: bool = False
     fp8_qkv: bool = False
@@ -258,7 +256,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         d = cfg.model_dim
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d) * LM_HEAD_INIT_STD)
-        self.embed = None if cfg.tie_embed else nn.Parameter(self.lm_head.detach().clone())
+        # RECORD §2: the embedding starts as a copy of the lm_head (the training module keeps the
+        # two tied, one parameter's worth of updates, until the schedule's untie step)
+        self.embed = nn.Parameter(self.lm_head.detach().clone())
         self.value_embeds = nn.ParameterList(
             nn.Parameter(torch.randn(cfg.vocab_size, d) * VALUE_EMBED_INIT_STD) for _ in cfg.value_embed_layers
         )
@@ -283,18 +283,8 @@ class GPT(nn.Module):
             self.fp8_head = Fp8Head(backend=cfg.fp8_backend)
 
     # -- embeddings ------------------------------------------------------------------
-    def embedding_weight(self) -> Tensor:
-        return self.lm_head if self.embed is None else self.embed
-
-    @torch.no_grad()
-    def untie(self) -> None:
-        """Give the embedding its own parameter, initialized from the current lm_head."""
-        if self.embed is None:
-            self.embed = nn.Parameter(self.lm_head.detach().clone())
-            self.cfg.tie_embed = False
-
     def _embed(self, input_ids: Tensor) -> Tensor:
-        x = F.embedding(input_ids, self.embedding_weight())
+        x = F.embedding(input_ids, self.embed)
         if self.cfg.smear:
             # x[t] += λ·σ(w·x[t][:12])·x[t-1]; crosses document boundaries like the record
             gate = torch.sigmoid(x[1:, :SMEAR_CHANNELS] @ self.smear_gate.type_as(x).t())
@@ -380,7 +370,7 @@ class GPT(nn.Module):
         matrices = self.matrix_params()
         roles: dict[str, list[nn.Parameter]] = {
             "matrices": matrices,
-            "embed": [] if self.embed is None else [self.embed],
+            "embed": [self.embed],
             "lm_head": [self.lm_head],
             "value_embeds": list(self.value_embeds),
         }

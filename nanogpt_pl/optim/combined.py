@@ -108,6 +108,16 @@ class CombinedOptimizer(torch.optim.Optimizer):
         for name in self._last_stepped:
             self.parts[name].zero_grad(set_to_none=set_to_none)
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: let sharded parts gather full state on rank ``to`` for the next state_dict().
+
+        Lightning calls this before saving a checkpoint on every rank, so a run with sharded
+        optimizer state resumes on any world size.
+        """
+        for part in self.parts.values():
+            if hasattr(part, "consolidate_state_dict"):
+                part.consolidate_state_dict(to=to)
+
     def state_dict(self) -> dict:
         return {"parts": {name: part.state_dict() for name, part in self.parts.items()}}
 

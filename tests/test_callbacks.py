@@ -1,0 +1,188 @@
+"""Tail averaging, the speedrun timer and user callbacks, on CPU."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, write_markov_shards  # noqa: E402
+
+from callbacks.ema import TailAveraging, TailTrack  # noqa: E402
+from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps  # noqa: E402
+from nanogpt_pl.schedule import Schedule  # noqa: E402
+
+
+# -- tail averaging against a plain reference ------------------------------------------------
+
+class _Model(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+        self.b = torch.nn.Parameter(torch.randn(5, generator=gen))
+
+    def param_families(self):
+        return {"fa": [self.a], "fb": [self.b]}
+
+
+def _fake(total_steps: int, gen):
+    module = SimpleNamespace(model=_Model(gen), schedule=SimpleNamespace(total_steps=total_steps),
+                             device=torch.device("cpu"))
+    trainer = SimpleNamespace(global_step=0, max_steps=-1)
+    return module, trainer
+
+
+def _reference(values, total, track):
+    """E after the run for one track, from the list of parameter values per step."""
+    last = total - 1
+    start = total - track.window
+    e = None
+    for step, v in enumerate(values):
+        if step < start:
+            continue
+        cadence = step % track.every == track.phase or step > last - track.extra_last
+        if e is None:
+            if cadence or (track.seed_at_start and step == start):
+                e = v.clone()
+            continue
+        if cadence:
+            rate = track.last_rate if (track.last_rate is not None and step == last) else track.rate
+            e = e + rate * (v - e)
+    return e
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_tail_tracks_and_ship_match_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = 40
+    tracks = [
+        TailTrack("ema", ["fa"], window=20, every=2, phase=1, rate=0.2, last_rate=0.1, seed_at_start=True, blend=0.65),
+        TailTrack("avg", ["fb"], window=12, every=4, phase=1, rate=0.3, extra_last=2, blend=1.0),
+    ]
+    cb = TailAveraging(tracks=tracks, decontract=["fa"])
+    module, trainer = _fake(total, gen)
+    history_a, history_b = [], []
+    for step in range(total):
+        with torch.no_grad():
+            module.model.a.add_(0.1 * torch.randn(4, 3, generator=gen))
+            module.model.b.add_(0.1 * torch.randn(5, generator=gen))
+        history_a.append(module.model.a.detach().clone())
+        history_b.append(module.model.b.detach().clone())
+        trainer.global_step = step + 1
+        if step < total - 1:
+            cb.on_train_batch_end(trainer, module, None, None, step)
+    pre_norm_a = history_a[-1].norm()
+    cb.on_train_batch_end(trainer, module, None, None, total - 1)  # last step: ticks, then ships
+    e_a = _reference(history_a, total, tracks[0])
+    e_b = _reference(history_b, total, tracks[1])
+    shipped_a = history_a[-1] + 0.65 * (e_a - history_a[-1])
+    shipped_a = shipped_a * (pre_norm_a / shipped_a.norm())  # decontraction
+    assert torch.allclose(module.model.a, shipped_a, atol=1e-6)
+    assert torch.allclose(module.model.b, e_b, atol=1e-6)
+    # blend applied once: another end-of-step call at the last step does not ship again
+    before_a, before_b = module.model.a.detach().clone(), module.model.b.detach().clone()
+    cb.on_train_batch_end(trainer, module, None, None, total - 1)
+    assert cb.shipped
+    assert torch.equal(module.model.a, before_a) and torch.equal(module.model.b, before_b)
+
+
+def test_tail_state_survives_a_checkpoint():
+    gen = torch.Generator().manual_seed(1)
+    total = 30
+    tracks = [TailTrack("avg", ["fa", "fb"], window=16, every=2, phase=0, rate=0.25, blend=1.0)]
+    straight = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
+    resumed = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
+    m1, t1 = _fake(total, gen)
+    m2 = copy.deepcopy(m1)
+    t2 = SimpleNamespace(global_step=0, max_steps=-1)
+    for step in range(total):
+        delta_a, delta_b = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+        for m in (m1, m2):
+            with torch.no_grad():
+                m.model.a.add_(delta_a)
+                m.model.b.add_(delta_b)
+        t1.global_step = t2.global_step = step + 1
+        straight.on_train_batch_end(t1, m1, None, None, step)
+        resumed.on_train_batch_end(t2, m2, None, None, step)
+        if step == 20:  # checkpoint and restore into a fresh callback
+            state = copy.deepcopy(resumed.state_dict())
+            resumed = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
+            resumed.load_state_dict(state)
+            resumed.on_train_start(None, m2)
+    assert torch.allclose(m1.model.a, m2.model.a) and torch.allclose(m1.model.b, m2.model.b)
+
+
+def test_record_tracks_match_the_table():
+    from callbacks.ema import record_tracks
+
+    tracks = {t.name: t for t in record_tracks()}
+    assert tracks["tail_ema"].window == 298 and tracks["tail_ema"].blend == 0.65
+    assert abs(tracks["tail_ema"].rate - 0.013333) < 1e-5 and abs(tracks["tail_ema"].last_rate - 2 / 299) < 1e-12
+    assert tracks["tail_avg"].rate == 4 / 53 and tracks["tail_avg"].window == 250
+    assert abs(tracks["bank_blend_vo_mlp"].blend - 0.3493) < 1e-12 and tracks["bank_blend_qk"].blend == 0.55
+    cb = TailAveraging()
+    # ticks of the record's 1,194-step run (last step 1193)
+    ticks = [s for s in range(1194) if cb.ticks(tracks["tail_avg"], s, 1193)[0]]
+    assert ticks[0] == 945 and ticks[-1] == 1193 and all(b - a == 4 for a, b in zip(ticks, ticks[1:]))
+
+
+# -- the speedrun timer ----------------------------------------------------------------------
+
+def test_default_warmup_steps_cover_every_configuration():
+    steps = default_warmup_steps(Schedule(), limit=100)
+    for boundary in (320, 681, 1107, 1174):
+        assert {boundary - 2, boundary - 1, boundary, boundary + 1} <= set(steps)
+    # new candidate counts are new shapes; prefix-weight values are runtime scalars, not shapes
+    assert {0, 1, 965, 966} <= set(steps)
+    assert {514, 336, 339, 1175, 1176, 1177, 1178} <= set(steps)
+    assert len(steps) <= 40 and default_warmup_steps(Schedule(), limit=10) == steps[:10]
+
+
+@pytest.fixture(scope="module")
+def toy_files(tmp_path_factory):
+    return write_markov_shards(tmp_path_factory.mktemp("toy"))
+
+
+class _Snapshot(L.Callback):
+    def __init__(self):
+        self.params = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.params = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if torch.is_tensor(v)}
+
+
+class _SlowValidation(L.Callback):
+    def on_validation_batch_end(self, *args, **kwargs):
+        time.sleep(0.5)
+
+
+def test_timer_warmup_resets_everything_and_excludes_validation(toy_files, tmp_path):
+    sched = tiny_schedule(12)
+    module, data = make_run(toy_files, sched)
+    plain = LossRecorder()
+    make_trainer(tmp_path / "plain", callbacks=[plain]).fit(module, data)
+
+    module, data = make_run(toy_files, sched)
+    before, after = _Snapshot(), _Snapshot()
+    timer = SpeedrunTimer(warmup_steps=[0, 1, 5, 6, 11], target=0.0)
+    timed = LossRecorder()
+    start = time.perf_counter()
+    make_trainer(tmp_path / "timed", callbacks=[before, timer, after, timed, _SlowValidation()]).fit(module, data)
+    wall = time.perf_counter() - start
+
+    for k, v in before.params.items():
+        assert torch.equal(v, after.params[k]), k
+    # the warmup ran real steps, then the run reproduced the straight run exactly
+    assert timer.warmup_seconds > 0
+    for step, loss in plain.losses.items():
+        assert timed.losses[step] == loss, step
+    val_batches = 4096 // 1024
+    assert 0 < timer.elapsed < wall - 0.5 * val_batches  # the slow validation is off the clock
+    assert not timer.reached
