@@ -32,14 +32,19 @@ class SpeedrunCLI(LightningCLI):
         parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
 
 
-def cli_main(args: Optional[list[str]] = None, run: bool = True) -> SpeedrunCLI:
-    """Build (and by default run) the training CLI; ``args`` defaults to ``sys.argv[1:]``."""
+def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bool = True) -> SpeedrunCLI:
+    """Build (and by default run) the training CLI; ``args`` defaults to ``sys.argv[1:]``.
+
+    ``save_config``: write the resolved config next to the logs (LightningCLI's default).
+    """
+    extra = {} if save_config else {"save_config_callback": None}
     return SpeedrunCLI(
         SpeedrunModule,
         SpeedrunDataModule,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
+        **extra,
     )
 
 

@@ -181,10 +181,29 @@ class SpeedrunModule(L.LightningModule):
         # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
         self.sparse_channels: Optional[SparseChannels] = None
         self._forward = self.model
+        self._world = (1, 0)  # (world size, rank), set by prepare_for_training
+        self._plain_optimizer: Optional[CombinedOptimizer] = None
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        device = self.trainer.strategy.root_device
+        self.prepare_for_training(self.trainer.strategy.root_device, self.trainer.world_size, self.global_rank)
+        from .distributed.strategy import SpeedrunStrategy
+
+        if (self.sparse_channels is not None and self.trainer.world_size > 1
+                and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
+            raise RuntimeError(
+                "the n-gram table (model.gpt.ngram_rows) and sparse value embeddings "
+                "(model.optim.sparse_value_embeds) keep per-rank state and gradients outside autograd; "
+                f"with several devices use trainer.strategy: speedrun (got {type(self.trainer.strategy).__name__})"
+            )
+
+    def prepare_for_training(self, device: torch.device, world_size: int = 1, rank: int = 0) -> None:
+        """Parameter dtypes, sparse channels, samplers and compilation for ``device``.
+
+        ``setup`` calls it with the trainer's device and ranks; a plain training loop (see
+        ``benchmarks/step_time.py``) calls it directly.
+        """
+        self._world = (world_size, rank)
         self._check_device_options(device)
         dtype = torch.bfloat16 if (self.param_dtype == "bfloat16" or
                                    (self.param_dtype == "auto" and device.type == "cuda")) else torch.float32
@@ -197,15 +216,6 @@ class SpeedrunModule(L.LightningModule):
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
                                                          fixed_shapes=self.compile)
-            from .distributed.strategy import SpeedrunStrategy
-
-            if (self.sparse_channels is not None and self.trainer.world_size > 1
-                    and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
-                raise RuntimeError(
-                    "the n-gram table (model.gpt.ngram_rows) and sparse value embeddings "
-                    "(model.optim.sparse_value_embeds) keep per-rank state and gradients outside autograd; "
-                    f"with several devices use trainer.strategy: speedrun (got {type(self.trainer.strategy).__name__})"
-                )
             pending = getattr(self, "_pending_sparse_state", None)
             if pending is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(pending)
@@ -325,7 +335,14 @@ class SpeedrunModule(L.LightningModule):
             self.settings.sparse_cadence_engaged = self.schedule.sparse_cadence_engaged(step)
         return parts
 
+    def use_plain_optimizer(self, optimizer: CombinedOptimizer) -> None:
+        """Drive the module without a Trainer: ``run_step`` steps ``optimizer`` and calls
+        ``backward`` directly (the plain-loop baseline of ``benchmarks/step_time.py``)."""
+        self._plain_optimizer = optimizer
+
     def _combined(self) -> CombinedOptimizer:
+        if self._plain_optimizer is not None:
+            return self._plain_optimizer
         opt = self.optimizers()
         return opt.optimizer if hasattr(opt, "optimizer") else opt
 
@@ -339,7 +356,7 @@ class SpeedrunModule(L.LightningModule):
         micro = batch if isinstance(batch, list) else [batch]
         num = self.schedule.candidates(step)
         prefix = self.schedule.prefix_weight(step) > 0
-        world, rank = self.trainer.world_size, self.global_rank
+        world, rank = self._world
         for a, mb in enumerate(micro):
             if num is not None and num < self.gpt_config.vocab_size:
                 sampler = self.sampler.get(a * world + rank, len(micro) * world)
@@ -379,7 +396,7 @@ class SpeedrunModule(L.LightningModule):
         ``training_step`` adds logging on top; the speedrun timer calls this directly for
         its untimed warmup steps.
         """
-        opt = self.optimizers()
+        opt = self._plain_optimizer if self._plain_optimizer is not None else self.optimizers()
         micro = batch if isinstance(batch, list) else [batch]
         total = torch.zeros((), device=self.device)
         for mb in micro:
@@ -388,7 +405,11 @@ class SpeedrunModule(L.LightningModule):
             loss = self._micro_loss(mb, sparse)
             # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
             # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
-            self.manual_backward(loss * (mb["targets"].numel() / len(micro)))
+            scaled = loss * (mb["targets"].numel() / len(micro))
+            if self._plain_optimizer is not None:
+                scaled.backward()
+            else:
+                self.manual_backward(scaled)
             if sparse:
                 self.sparse_channels.push_grads(sparse)
             total += loss.detach()

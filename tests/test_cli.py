@@ -41,8 +41,15 @@ def toy_config(tmp: Path, files: tuple[str, str], **overrides) -> Path:
     return out
 
 
+# Rendezvous variables an earlier in-process Lightning run leaves in os.environ: a child CLI
+# that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+               "PL_SEED_WORKERS")
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -270,7 +270,7 @@ class DistAdam(torch.optim.Optimizer):
             group, p = params[i]
             entry = dict(entry)
             saved_rows = entry.pop("rows", None)
-            rows = p.shape[0]
+            rows = p.shape[0] if p.dim() > 0 else 1  # 0-d scalars (gates, lambdas) count as one row
             full = saved_rows is None or (saved_rows[0], saved_rows[1]) == (0, rows)
             if self._is_sharded(group, world):
                 lo, hi, _ = row_range(rows, world, rank)

@@ -1,0 +1,194 @@
+"""Training step time of a config under Lightning, against a plain PyTorch loop, same run.
+
+Both loops train the same model code, loss, optimizers and data stream on one device
+for ``--warmup`` untimed steps then ``--steps`` timed steps, at one stage of the
+config's schedule (its batch shape, windows and candidate count held fixed):
+
+- **lightning**: ``Trainer.fit`` with the config's module and data module (loggers,
+  checkpoints, validation and the config's callbacks off; the schedule callback on);
+- **plain**: a hand-written loop: ``next(stream)``, host-side candidate sets, copy to the
+  device, ``apply_schedule``, forward/backward/optimizer step through the same module
+  methods, no Trainer.
+
+It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
+vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
+(the Lightning overhead), plus peak memory.
+
+    python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
+    python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
+
+Without FineWeb on the machine, ``--corpus quickstart`` (the default when the config's
+files are missing) trains on the embedded corpus, repeated as needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+
+from callbacks.schedule import apply_schedule  # noqa: E402
+from nanogpt_pl.cli import cli_main  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, vendor datasheet
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+class _Clock(L.Callback):
+    """Wall time from the end of step ``start`` to the end of step ``stop`` (synchronized)."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+        self.t0 = self.t1 = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step  # steps completed
+        if step == self.start or step == self.stop:
+            _sync()
+            if step == self.start:
+                self.t0 = time.perf_counter()
+            else:
+                self.t1 = time.perf_counter()
+
+
+def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str]) -> tuple[list[str], dict]:
+    cfg = yaml.safe_load(Path(config).read_text())
+    sched = dict(cfg.get("schedule") or {})
+    stages = sched.get("stages")
+    if not stages:
+        from nanogpt_pl.schedule import _record_stages
+        import dataclasses
+
+        stages = [dataclasses.asdict(s) for s in _record_stages()]
+    st = dict(stages[stage])
+    st["steps"] = steps
+    st["extension"] = False
+    args = ["--config", config,
+            "--schedule.stages", json.dumps([st]),
+            "--schedule.warmup_steps", "0", "--schedule.cooldown_frac", "0.0",
+            "--schedule.sparse_cadence_start", "0", "--schedule.untie_step", "null",
+            "--trainer.devices", "1", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+            "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.max_steps", str(steps)]
+    if corpus:
+        args += ["--data.train_files", "null", "--data.val_files", "null", "--data.corpus", "quickstart",
+                 "--data.epochs", "100000"]
+    for item in overrides:
+        key, value = item.split("=", 1)
+        args += [f"--{key}", value]
+    return args, st
+
+
+def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
+    cli = cli_main(args, run=False, save_config=False)
+    clock = _Clock(warmup, warmup + steps)
+    cli.trainer.callbacks.append(clock)
+    _reset_peak()
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
+
+
+def run_plain(args: list[str], warmup: int, steps: int) -> dict:
+    cli = cli_main(args, run=False, save_config=False)
+    module, data = cli.model, cli.datamodule
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data.prepare_data()
+    data.setup("fit")
+    module.prepare_for_training(device)
+    module.to(device)
+    opt = module.configure_optimizers()
+    module.use_plain_optimizer(opt)
+    module.train()
+    stream = data.train_dataloader()
+    it = iter(stream)
+    _reset_peak()
+    t0 = None
+    for step in range(warmup + steps):
+        if step == warmup:
+            _sync()
+            t0 = time.perf_counter()
+        batch = module.prepare_batch(next(it), step)
+        batch = module.transfer_batch_to_device(batch, device, 0)
+        apply_schedule(module, step)
+        module.run_step(batch)
+    _sync()
+    seconds = time.perf_counter() - t0
+    stream.close()
+    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/speedrun_1gpu.yaml")
+    ap.add_argument("--stage", type=int, default=0, help="index of the schedule stage whose shapes to time")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
+    ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
+    cfg = yaml.safe_load(Path(a.config).read_text())
+    train_glob = (cfg.get("data") or {}).get("train_files")
+    corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
+    total = a.warmup + a.steps
+    args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
+
+    results = {}
+    for mode in (["plain", "lightning"] if a.only == "both" else [a.only]):
+        results[mode] = (run_plain if mode == "plain" else run_lightning)(args, a.warmup, a.steps)
+        import gc
+
+        gc.collect()
+        _reset_peak()
+
+    gpt = next(iter(results.values()))["gpt"]
+    tokens = stage["batch_tokens"]  # one device holds the whole global batch
+    flops_tok = gpt.flops_per_token(stage["seq_len"], stage["window_short"], stage["window_long"])
+    print(f"\nstep_time: {a.config} stage {a.stage} ({tokens} tokens/step, seq_len {stage['seq_len']}, "
+          f"candidates {stage.get('candidates')}), {a.steps} timed steps after {a.warmup}, "
+          f"data: {'embedded quickstart corpus' if corpus else train_glob}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}  torch {torch.__version__}  "
+          f"date {datetime.date.today().isoformat()}")
+    print(f"model FLOPs/token (dense, full vocab): {flops_tok / 1e9:.3f} GFLOP")
+    print(f"{'loop':<10} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'vs plain':>9}")
+    base = results.get("plain")
+    for mode, r in results.items():
+        ms = 1e3 * r["seconds"] / a.steps
+        tps = tokens * a.steps / r["seconds"]
+        mfu = flops_tok * tps / PEAK_BF16_FLOPS
+        ratio = f"{r['seconds'] / base['seconds']:.3f}x" if base else "-"
+        print(f"{mode:<10} {ms:9.1f} {tps:12,.0f} {100 * mfu:6.1f}% {r['peak'] / 2**30:9.1f} {ratio:>9}")
+
+
+if __name__ == "__main__":
+    main()
