@@ -462,7 +462,7 @@ def test_bad_input_raises_clear_errors() -> None:
         opt.load_state_dict({"state": {}, "param_groups": []})
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
 
 
 def record_matrices(device: str) -> list[torch.nn.Parameter]:

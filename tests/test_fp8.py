@@ -31,7 +31,7 @@ from nanogpt_pl.ops.fp8 import (
     quantize,
 )
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
 
 LINEAR_OUT_BOUND = 0.055
 LINEAR_E4M3_GRAD_BOUND = 0.055

@@ -183,7 +183,7 @@ def test_kernels_and_cascade_under_interpreter() -> None:
     assert proc.returncode == 0, f"interpreted checks failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
 
 RECORD_SHAPES = [(42, 256, 768), (14, 768, 768), (22, 2816, 768)]
 
