@@ -218,3 +218,39 @@ def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path, monkey
             torch.testing.assert_close(two["state_dict"][k], v, atol=2e-5, rtol=1e-4, msg=k)
     assert table1.abs().sum() > 0
     torch.testing.assert_close(table2, table1, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_resume_from_a_side_file_mid_cycle_gives_the_same_losses(toy_files, tmp_path, monkeypatch):
+    """3 steps, checkpoint (with a queued gradient), resume for 3 more == 6 straight steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_schedule
+
+    import nanogpt_pl.distributed.ngram_shard as ngram_shard
+
+    monkeypatch.setattr(ngram_shard, "INLINE_STATE_LIMIT_BYTES", 0)  # the state goes through the side file
+
+    def run():
+        # sparse events at steps 0, 1 (every step), then 3, 5; step 2's gradient is queued at the checkpoint
+        sched = tiny_schedule(6, adam_every=1, sparse_cadence=2, sparse_cadence_start=2)
+        return make_run(toy_files, sched, gpt=tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1]), val_tokens=2048)
+
+    module, data = run()
+    straight = LossRecorder()
+    make_trainer(tmp_path / "straight", callbacks=[straight]).fit(module, data)
+    table = module.sparse_channels.ngram.weight.clone()
+
+    module, data = run()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    make_trainer(tmp_path / "first", max_steps=3, callbacks=[ckpt], enable_checkpointing=True).fit(module, data)
+    assert module.sparse_channels.ngram.pending_rows() > 0
+    saved = sorted((tmp_path / "ckpt").glob("*step=3*.ckpt"))
+    assert saved and Path(rank_file(saved[0], 0)).exists()
+
+    module, data = run()
+    second = LossRecorder()
+    make_trainer(tmp_path / "second", callbacks=[second]).fit(module, data, ckpt_path=str(saved[0]))
+    assert sorted(second.losses) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert abs(second.losses[step] - straight.losses[step]) <= 1e-5, step
+    torch.testing.assert_close(module.sparse_channels.ngram.weight, table, rtol=1e-5, atol=1e-6)
