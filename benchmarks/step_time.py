@@ -27,6 +27,7 @@ import argparse
 import datetime
 import glob
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
+    ap.add_argument("--child", choices=["lightning", "plain"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     a = ap.parse_args()
@@ -162,17 +164,25 @@ def main() -> None:
     total = a.warmup + a.steps
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
 
+    if a.child:
+        result = (run_plain if a.child == "plain" else run_lightning)(args, a.warmup, a.steps)
+        print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
+                                      "flops_tok": result["gpt"].flops_per_token(
+                                          stage["seq_len"], stage["window_short"], stage["window_long"])}))
+        return
+
+    # each loop in its own process, so neither sees the other's memory or compile caches
     results = {}
     for mode in (["plain", "lightning"] if a.only == "both" else [a.only]):
-        results[mode] = (run_plain if mode == "plain" else run_lightning)(args, a.warmup, a.steps)
-        import gc
-
-        gc.collect()
-        _reset_peak()
-
-    gpt = next(iter(results.values()))["gpt"]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(proc.stdout[-3000:], proc.stderr[-5000:])
+            sys.exit(f"the {mode} loop failed (exit {proc.returncode})")
+        results[mode] = json.loads(lines[-1][len("RESULT "):])
     tokens = stage["batch_tokens"]  # one device holds the whole global batch
-    flops_tok = gpt.flops_per_token(stage["seq_len"], stage["window_short"], stage["window_long"])
+    flops_tok = next(iter(results.values()))["flops_tok"]
     print(f"\nstep_time: {a.config} stage {a.stage} ({tokens} tokens/step, seq_len {stage['seq_len']}, "
           f"candidates {stage.get('candidates')}), {a.steps} timed steps after {a.warmup}, "
           f"data: {'embedded quickstart corpus' if corpus else train_glob}")

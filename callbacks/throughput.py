@@ -50,8 +50,6 @@ class SpeedrunThroughput(ThroughputMonitor):
             name = torch.cuda.get_device_name(trainer.strategy.root_device).lower()
             if any(k in name for k in ("h100", "h200", "gh200", "h800")):
                 self._override_flops = H100_BF16_DENSE_FLOPS
-        if self._override_flops is not None:
-            self.kwargs["available_flops"] = None  # set below, after the parent builds its meters
         super().setup(trainer, pl_module, stage)
         if self._override_flops is not None:
             self.available_flops = int(self._override_flops)
