@@ -115,7 +115,7 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
-def run_plain(args: list[str], warmup: int, steps: int) -> dict:
+def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     module, data = cli.model, cli.datamodule
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,16 +130,27 @@ def run_plain(args: list[str], warmup: int, steps: int) -> dict:
     it = iter(stream)
     _reset_peak()
     t0 = None
+    prof = None
     for step in range(warmup + steps):
         if step == warmup:
             _sync()
             t0 = time.perf_counter()
+            if profile:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
         batch = module.prepare_batch(next(it), step)
         batch = module.transfer_batch_to_device(batch, device, 0)
         apply_schedule(module, step)
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        avg = prof.key_averages()
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)
+        print(avg.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
     stream.close()
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config}
 
@@ -153,6 +164,7 @@ def main() -> None:
     ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
     ap.add_argument("--child", choices=["lightning", "plain"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="profile the plain loop's timed steps (top ops)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     a = ap.parse_args()
@@ -165,7 +177,10 @@ def main() -> None:
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
 
     if a.child:
-        result = (run_plain if a.child == "plain" else run_lightning)(args, a.warmup, a.steps)
+        if a.child == "plain":
+            result = run_plain(args, a.warmup, a.steps, profile=a.profile)
+        else:
+            result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
                                       "flops_tok": result["gpt"].flops_per_token(
                                           stage["seq_len"], stage["window_short"], stage["window_long"])}))
@@ -176,6 +191,8 @@ def main() -> None:
     for mode in (["plain", "lightning"] if a.only == "both" else [a.only]):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        if a.profile and mode == "plain":
+            print(proc.stderr[-20000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(proc.stdout[-3000:], proc.stderr[-5000:])

@@ -297,7 +297,8 @@ class Anvil(torch.optim.Optimizer):
         engage_step: first step (0-based) of the blend (514).
         maps: the cascade's (a, b, c) coefficients (default: the record's ``ANVIL_MAPS``).
         backend: ``auto``, ``torch`` or ``triton`` for the cascade's Gram/polynomial kernels.
-        compile: fuse the elementwise parts with torch.compile (None = on CUDA only).
+        compile: fuse the elementwise parts with torch.compile (None = off: on the H200 the
+            compiled update of one rank's share took 10.1 ms against 4.2 ms eager, BENCHMARKS.md).
         process_group: ranks that share the matrices. None = the default group when
             torch.distributed is initialized (as ``DistAdam``), else no communication; a group
             of size 1 also means no communication.
@@ -345,7 +346,7 @@ class Anvil(torch.optim.Optimizer):
         self._ready = True
         self.device = self._check_params()
         resolve_backend(backend, self.device)  # fail early on an impossible backend
-        use_compile = self.device.type == "cuda" if compile is None else bool(compile)
+        use_compile = False if compile is None else bool(compile)
         self._rails_fn = _Fused(rails_lookahead, use_compile)
         self._finish_fn = _Fused(finish_update, use_compile)
         self._scalars = _ScalarStager(len(self.param_groups), self.device)
