@@ -180,7 +180,9 @@ class SpeedrunModule(L.LightningModule):
         self.sampler: Optional[SliceSamplers] = None
         # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
         self.sparse_channels: Optional[SparseChannels] = None
-        self._forward = self.model
+        # the (possibly compiled) callable that runs the model; kept out of nn.Module's registry
+        # so the weights appear once in state_dict and checkpoints
+        self.__dict__["_forward"] = self.model
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
 
@@ -221,7 +223,7 @@ class SpeedrunModule(L.LightningModule):
                 self.sparse_channels.load_state_dict(pending)
                 self._pending_sparse_state = None
         if self.compile:
-            self._forward = torch.compile(self.model, dynamic=False)
+            self.__dict__["_forward"] = torch.compile(self.model, dynamic=False)
 
     def _check_device_options(self, device: torch.device) -> None:
         """Reject options this device cannot run, naming the option and the fix."""

@@ -55,3 +55,9 @@ def test_resume_gives_the_same_losses_as_a_straight_run(toy_files, tmp_path):
     for step in range(20):
         assert abs(resumed[step] - straight.losses[step]) <= 1e-5, (step, resumed[step], straight.losses[step])
     assert abs(second.val - straight.val) <= 1e-5
+
+
+def test_checkpoint_holds_each_weight_once(toy_files, tmp_path):
+    module, _ = make_run(toy_files, tiny_schedule(4))
+    keys = list(module.state_dict())
+    assert keys and all(k.startswith("model.") for k in keys), [k for k in keys if not k.startswith("model.")]
