@@ -13,6 +13,7 @@ and per-step settings come from one object.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
@@ -30,6 +31,12 @@ class SpeedrunCLI(LightningCLI):
         parser.add_class_arguments(Schedule, "schedule", fail_untyped=False)
         parser.link_arguments("schedule", "model.schedule", apply_on="instantiate")
         parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
+
+
+# Lightning warns that with manual optimization a step checkpoint holds the weights after the
+# optimizer step. That is what resuming needs here: the data stream, schedule and optimizer
+# state in the checkpoint all describe the state after the same step.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bool = True) -> SpeedrunCLI:
