@@ -97,3 +97,20 @@ def test_two_gloo_processes_match_one_process_with_accumulation(tmp_path, toy_fi
         if isinstance(a[k], torch.Tensor) and torch.is_floating_point(a[k]):
             assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), k
     assert results[1]["global_step"] == results[2]["global_step"] == 6
+
+
+@pytest.mark.parametrize("ablation", sorted(p.name for p in (ROOT / "configs" / "ablations").glob("*.yaml")))
+def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
+    out = run_cli(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), "--config",
+                   str(ROOT / "configs" / "ablations" / ablation), "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["model"]["gpt"]["num_layers"] == 11  # the speedrun config underneath
+    expect = {
+        "no_fp8.yaml": lambda c: not (c["model"]["gpt"]["fp8_mlp"] or c["model"]["gpt"]["fp8_head"]),
+        "no_ngram.yaml": lambda c: c["model"]["gpt"]["ngram_rows"] == 0,
+        "full_softmax.yaml": lambda c: all(s["candidates"] is None for s in c["schedule"]["stages"]),
+        "adamw_matrices.yaml": lambda c: c["model"]["optim"]["matrix_optimizer"] == "adamw",
+        "no_tail_averaging.yaml": lambda c: all("ema" not in cb["class_path"] for cb in c["trainer"]["callbacks"]),
+    }[ablation]
+    assert expect(cfg)
