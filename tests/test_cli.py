@@ -114,3 +114,20 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
         "no_tail_averaging.yaml": lambda c: all("ema" not in cb["class_path"] for cb in c["trainer"]["callbacks"]),
     }[ablation]
     assert expect(cfg)
+
+
+def test_a_user_callback_in_yaml_runs_alongside_ours(tmp_path, toy_files):
+    import json
+
+    cfg = toy_config(tmp_path, toy_files)
+    data = yaml.safe_load(cfg.read_text())
+    out_file = tmp_path / "lrs.json"
+    data["trainer"]["callbacks"].append({"class_path": "tests.user_callback.RecordLearningRates",
+                                         "init_args": {"path": str(out_file)}})
+    cfg.write_text(yaml.safe_dump(data))
+    out = run_cli(["fit", "--config", str(cfg)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lrs = json.loads(out_file.read_text())
+    assert len(lrs) == 6
+    # the schedule callback (added by the module) set a warmup lr ramp the user callback sees
+    assert lrs[0] < lrs[1] and (tmp_path / "ckpt" / "last.ckpt").exists()
