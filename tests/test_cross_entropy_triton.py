@@ -12,33 +12,18 @@ so fp8 *gradient output* is checked on the GPU only (test_cross_entropy_gpu.py);
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 SEEDS = (0, 1, 2)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
 def test_kernel_suite_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    # Only this launcher itself may be skipped in the child.
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and re.search(r"\b1 skipped", summary), tail
+    run_module_under_interpreter(__file__)
 
 
 def rel(a, b):

@@ -13,17 +13,12 @@ are exact wherever the arithmetic is the same.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 SEEDS = (0, 1, 2)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -32,16 +27,7 @@ SMALL_GEMM = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, nu
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
 def test_fp8_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and re.search(r"\b1 skipped", summary), tail
+    run_module_under_interpreter(__file__)
 
 
 def rel(a, b):
