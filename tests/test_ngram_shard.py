@@ -46,7 +46,7 @@ from nanogpt_pl.optim.sparse_adam import LazyRowAdam, SparseAdam, shard_adam_
 from nanogpt_pl.schedule import Schedule, Stage
 
 ROWS, DIM, VOCAB, PLANES = 202, 8, 37, 2
-MICRO, TOKENS = 4, 24
+MICRO, TOKENS = 8, 24
 STEPS, RESUME_AT = 12, 6
 
 
@@ -163,13 +163,16 @@ def _run_world(group: Optional[dist.ProcessGroup], out_dir: Path) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """World 4 on the default group, and two independent world-2 runs on rank pairs (one spawn for both)."""
+    """World 8 on the default group, and independent world-4 and world-2 runs on rank blocks (one spawn)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        # every rank creates every subgroup, in the same order (new_group is collective)
+        groups = {size: [dist.new_group(list(range(b, b + size))) for b in range(0, world, size)]
+                  for size in (2, 4)}
         out = {}
-        for size, group in ((2, pairs[rank // 2]), (4, None)):
+        for size in (2, 4, world):
+            group = None if size == world else groups[size][rank // size]
             run_dir = Path(out_dir) / f"world{size}-{rank // size}"
             run_dir.mkdir(exist_ok=True)
             out[size] = _run_world(group, run_dir)
@@ -188,9 +191,9 @@ def single_process() -> dict:
 @pytest.mark.slow
 def test_sharded_ranks_equal_one_process(tmp_path: Path, single_process: dict) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
-    per_process = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    for world in (2, 4):
+    mp.spawn(_worker, args=(8, _free_port(), str(tmp_path)), nprocs=8, join=True)
+    per_process = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(8)]
+    for world in (2, 4, 8):
         losses = {}
         for r, res in enumerate(p[world] for p in per_process):
             torch.testing.assert_close(res["table"], single_process["table"], rtol=1e-5, atol=2e-6)
@@ -199,7 +202,7 @@ def test_sharded_ranks_equal_one_process(tmp_path: Path, single_process: dict) -
             assert res["resume_exact"], f"world {world}, rank {r}: resuming from the per-rank side file diverged"
             assert res["side_file"]
             assert res["bytes_sent"]["pull_values"] > 0 and res["bytes_sent"]["push_values"] > 0
-            if world == 4 or r < 2:  # the two world-2 runs compute the same losses
+            if r < world:  # the first run of each size (ranks 0..world-1) covers every micro-batch
                 losses.update(res["losses"])
         assert losses.keys() == single_process["losses"].keys()
         for key, want in single_process["losses"].items():
