@@ -8,8 +8,9 @@ What is measured (bf16 parameters, random bf16 gradients, one process, no commun
 * **rank share at world 8**: the matrices one of 8 ranks owns and updates in the record
   (6 qk blocks, 2 v/o, 3 MLP; RECORD §8), i.e. the per-GPU optimizer compute of the record,
   without the reduce-scatter/all-gather (those overlap the work in the real run).
-* ANVIL paths: Triton kernels + torch.compile'd elementwise (``auto`` on a GPU), and the
-  plain PyTorch cascade without compile; ``torch.optim.Muon`` (2-D parameters only, so the
+* ANVIL paths: the default (PyTorch cascade, each bank's work replayed from a CUDA graph),
+  the same eagerly, the Triton cascade with and without the graph, and (full run only) the
+  torch.compile'd elementwise parts; ``torch.optim.Muon`` (2-D parameters only, so the
   qk blocks are separate 256x768 parameters; 5 Newton-Schulz steps) and fused AdamW over
   the same matrices, in the same run.
 * the cascade alone per bank shape, Triton vs PyTorch.
@@ -130,7 +131,7 @@ def cascade_row(name: str, shape: tuple[int, int, int], backend: str, warmup: in
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="fewer steps and only the shipped (Triton + compile) and plain PyTorch ANVIL paths")
+                    help="fewer steps, no torch.compile'd ANVIL variants")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (compile, autotune)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     args = ap.parse_args(argv)
@@ -145,10 +146,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows: list[dict] = []
     for scope, kw in (("all matrices", dict(attn_layers=ATTN_LAYERS, fc=MLPS, proj=MLPS)),
                       ("rank share at world 8", SHARE)):
-        def anvil(backend: str, compile: Optional[bool]) -> Callable:
+        def anvil(backend: str, compile: Optional[bool], graph: Optional[bool]) -> Callable:
             def build():
                 params = record_matrices(device=dev, **kw)
-                return Anvil(params, backend=backend, compile=compile, engage_step=0), params
+                return Anvil(params, backend=backend, compile=compile, cuda_graph=graph, engage_step=0), params
             return build
 
         def muon():
@@ -159,12 +160,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             params = record_matrices(device=dev, **kw)
             return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True), params
 
-        variants = [("triton+compile", "auto", None), ("triton, eager", "triton", False),
-                    ("torch+compile", "torch", True), ("torch, eager", "torch", False)]
-        if args.quick:  # each compiled variant costs compile time; keep the shipped path and the plain one
-            variants = [variants[0], variants[3]]
-        scoped = [optimizer_row(f"{scope}: ANVIL {label}", anvil(backend, comp), warmup, steps, True)
-                  for label, backend, comp in variants]
+        # (label, backend, compile, cuda_graph); the first is what Anvil() does by default
+        variants = [("default (torch cascade, CUDA graph)", "auto", None, None),
+                    ("torch cascade, eager", "torch", False, False),
+                    ("triton cascade, CUDA graph", "triton", False, True),
+                    ("triton cascade, eager", "triton", False, False),
+                    ("torch cascade + compile, eager", "torch", True, False)]
+        if args.quick:  # compiled variants cost compile time
+            variants = variants[:3]
+        scoped = [optimizer_row(f"{scope}: ANVIL {label}", anvil(backend, comp, graph), warmup, steps, True)
+                  for label, backend, comp, graph in variants]
         base = {}
         if hasattr(torch.optim, "Muon"):
             base["muon"] = optimizer_row(f"{scope}: torch.optim.Muon", muon, warmup, steps, False)
@@ -184,17 +189,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         cascade += [t, r]
 
     print()
-    print(f"{'optimizer step (bf16 matrices)':52s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} "
+    print(f"{'optimizer step (bf16 matrices)':62s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} "
           f"{'x Muon':>7s} {'x AdamW':>8s} {'% of 45ms':>9s}")
     for r in rows:
-        print(f"{r['name']:52s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_muon']:7.2f} "
+        print(f"{r['name']:62s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_muon']:7.2f} "
               f"{r['vs_adamw']:8.2f} {100 * r['of_step']:8.2f}%")
     print()
-    print(f"{'cascade alone (6 maps, bf16)':52s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} {'x torch':>7s}")
+    print(f"{'cascade alone (6 maps, bf16)':62s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} {'x torch':>7s}")
     for r in cascade:
-        print(f"{r['name']:52s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_torch']:7.2f}")
-    share = next(r for r in rows if r["name"] == "rank share at world 8: ANVIL triton+compile")
-    full = next(r for r in rows if r["name"] == "all matrices: ANVIL triton+compile")
+        print(f"{r['name']:62s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_torch']:7.2f}")
+    share = next(r for r in rows if r["name"].startswith("rank share at world 8: ANVIL default"))
+    full = next(r for r in rows if r["name"].startswith("all matrices: ANVIL default"))
     print()
     print(f"target: ANVIL <= {100 * TARGET_FRACTION:.0f}% of a {RECORD_STEP_MS:.0f} ms step. "
           f"Rank share at world 8: {100 * share['of_step']:.2f}% "

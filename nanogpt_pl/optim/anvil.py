@@ -244,6 +244,10 @@ class _Bank:
     lane_energy: Tensor  # [owned, rows, 1] or [owned, 1, cols] fp32
     sidecar: Optional[Tensor]  # [owned, rows, cols] int16, bf16 params only
     buffers: dict[str, Tensor] = field(default_factory=dict)
+    # CUDA graph of this bank's local work (see Anvil's cuda_graph); keyed by what it captured
+    graph: Optional[Any] = None
+    graph_key: Optional[tuple] = None
+    warmed: bool = False
 
     @property
     def owned(self) -> int:
@@ -299,6 +303,13 @@ class Anvil(torch.optim.Optimizer):
         backend: ``auto``, ``torch`` or ``triton`` for the cascade's Gram/polynomial kernels.
         compile: fuse the elementwise parts with torch.compile (None = off: on the H200 the
             compiled update of one rank's share took 10.1 ms against 4.2 ms eager, BENCHMARKS.md).
+        cuda_graph: capture each bank's local work (copy of the owned matrices, rails, cascade,
+            lanes, decay and step, and with one rank the copy back into the parameters) in a CUDA
+            graph and replay it, so one launch replaces ~70 kernel launches per bank. None = on
+            for CUDA parameters. The first step runs eagerly (warm-up), the second captures and
+            replays; every step's update runs exactly once, with the same arithmetic as eager.
+            The graph reads the step's scalars from a device buffer, so schedules need no
+            recapture; it is recaptured when a parameter's storage moves. CPU: ignored.
         process_group: ranks that share the matrices. None = the default group when
             torch.distributed is initialized (as ``DistAdam``), else no communication; a group
             of size 1 also means no communication.
@@ -319,6 +330,7 @@ class Anvil(torch.optim.Optimizer):
         maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS,
         backend: str = "auto",
         compile: Optional[bool] = None,
+        cuda_graph: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if lr < 0:
@@ -350,6 +362,12 @@ class Anvil(torch.optim.Optimizer):
         self._rails_fn = _Fused(rails_lookahead, use_compile)
         self._finish_fn = _Fused(finish_update, use_compile)
         self._scalars = _ScalarStager(len(self.param_groups), self.device)
+        on_cuda = self.device.type == "cuda"
+        if cuda_graph and not on_cuda:
+            warnings.warn("Anvil: cuda_graph=True has no effect on CPU parameters")
+        self.cuda_graph = on_cuda and (cuda_graph is None or bool(cuda_graph))
+        self._graph_pool: Any = None
+        self._graph_stream: Optional[torch.cuda.Stream] = None
         for i in range(len(self.param_groups)):
             self._build_banks(i)
 
@@ -366,6 +384,8 @@ class Anvil(torch.optim.Optimizer):
         if getattr(self, "_ready", False):
             self._check_params()
             self._scalars = _ScalarStager(len(self.param_groups), self.device)
+            for bank in self._banks:  # their graphs read the old scalar buffer
+                bank.graph, bank.graph_key = None, None
             self._build_banks(len(self.param_groups) - 1)
 
     def _check_params(self) -> torch.device:
@@ -496,15 +516,9 @@ class Anvil(torch.optim.Optimizer):
                 if not avg_op:
                     shard.mul_(1.0 / world)
             own = bank.buffer("own", bank.per_rank, bank.dtype, dev)
-            n = bank.owned
-            if n:
-                pieces = bank.owned_pieces()
-                for p, a, slot, m in pieces:
-                    own[slot:slot + m].copy_(bank.matrices(p)[a:a + m])
-                self._update_bank(bank, shard[:n], own[:n], scalars[bank.group])
+            if bank.owned:
+                self._run_local(bank, shard, own, scalars, copy_back=world == 1)
             if world == 1:
-                for p, a, slot, m in bank.owned_pieces():
-                    bank.matrices(p)[a:a + m].copy_(own[slot:slot + m])
                 continue
             full = bank.buffer("gathered", bank.per_rank * world, bank.dtype, dev)
             gathers.append((bank, full, _all_gather(full, own, group=self.process_group, async_op=True)))
@@ -515,6 +529,54 @@ class Anvil(torch.optim.Optimizer):
                 bank.matrices(p).copy_(full[start:start + n])
         self._step += 1
         return loss
+
+    def _local_work(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool) -> None:
+        """Copy the owned matrices into ``own``, update them, and (one rank) copy them back."""
+        n = bank.owned
+        pieces = bank.owned_pieces()
+        for p, a, slot, m in pieces:
+            own[slot:slot + m].copy_(bank.matrices(p)[a:a + m])
+        self._update_bank(bank, grad[:n], own[:n], scalars[bank.group])
+        if copy_back:
+            for p, a, slot, m in pieces:
+                bank.matrices(p)[a:a + m].copy_(own[slot:slot + m])
+
+    def _run_local(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool) -> None:
+        """:meth:`_local_work`, eagerly or through the bank's CUDA graph (see ``cuda_graph``)."""
+        if not self.cuda_graph:
+            self._local_work(bank, grad, own, scalars, copy_back)
+            return
+        # the graph bakes in every address it touches: recapture if any of them moved
+        key = (grad.data_ptr(), own.data_ptr(), scalars.data_ptr(), copy_back, self.maps,
+               tuple(p.data_ptr() for p, _, _ in bank.pieces))
+        if bank.graph is not None and bank.graph_key == key:
+            bank.graph.replay()
+            return
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(device=self.device)
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side, current = self._graph_stream, torch.cuda.current_stream(self.device)
+        if not bank.warmed:
+            # warm-up on the capture stream (cuBLAS handles and workspaces are per stream)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self._local_work(bank, grad, own, scalars, copy_back)
+            current.wait_stream(side)
+            bank.warmed = True
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+                self._local_work(bank, grad, own, scalars, copy_back)
+        except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            # capture records kernels without running them, so nothing was updated yet
+            warnings.warn(f"Anvil: CUDA graph capture failed ({err!r}); running the update eagerly from now on. "
+                          f"Pass cuda_graph=False to skip the attempt.")
+            self.cuda_graph = False
+            self._local_work(bank, grad, own, scalars, copy_back)
+            return
+        bank.graph, bank.graph_key = graph, key
+        graph.replay()
 
     def _update_bank(self, bank: _Bank, grad: Tensor, params: Tensor, s: Tensor) -> None:
         key = (bank.group, bank.rows, bank.cols, bank.owned, bank.dtype)
