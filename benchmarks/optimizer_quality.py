@@ -17,8 +17,13 @@ Prints the final validation loss (mean full-softmax cross-entropy over a fixed s
 validation tokens) of each, the margins of ANVIL over the others, and the time per run.
 A plain loop, no Lightning: this measures the optimizers, not the trainer.
 
-Run: ``python benchmarks/optimizer_quality.py [--quick] [--steps N]`` (GPU; ``--device cpu``
-works for a smoke test).
+With ``--sweep`` each optimizer runs at several multiples of its lr and the best of each is
+compared (a fair comparison tunes every contender). ``--text installed`` trains on a larger
+real-text corpus (the docstrings of every installed package too), so a long run does not
+repeat the small quickstart corpus many times; ``--model small`` uses a 6-layer, 512-wide model.
+
+Run: ``python benchmarks/optimizer_quality.py [--quick] [--steps N] [--model small] [--text installed]
+[--sweep 0.5 1 2]`` (GPU; ``--device cpu`` works for a smoke test).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanogpt_pl.data.corpus import build_corpus  # noqa: E402
+from nanogpt_pl.data.corpus import build_corpus, stdlib_sources  # noqa: E402
 from nanogpt_pl.data.loader import pack_cu_seqlens  # noqa: E402
 from nanogpt_pl.data.shards import open_shard  # noqa: E402
 from nanogpt_pl.model.gpt import GPT, GPTConfig  # noqa: E402
@@ -60,6 +66,32 @@ def quickstart_config() -> GPTConfig:
     """The quickstart model (configs/quickstart.yaml)."""
     return GPTConfig(vocab_size=50304, num_layers=4, model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
                      long_window_layers=[3], value_embed_layers=[1, 2], skip_from=1, skip_to=3)
+
+
+def small_config() -> GPTConfig:
+    """A 6-layer, 512-wide model (heads of 128 as the record; MLP 4x): matrices large enough
+    for orthogonalized updates to matter, small enough for a sweep in minutes."""
+    return GPTConfig(vocab_size=50304, num_layers=6, model_dim=512, num_heads=4, head_dim=128, mlp_hidden=2048,
+                     long_window_layers=[2, 5], value_embed_layers=[1, 4], skip_from=1, skip_to=4)
+
+
+MODELS = {"quickstart": quickstart_config, "small": small_config}
+
+
+def installed_sources() -> list[tuple[str, bytes]]:
+    """The standard library's sources plus every installed package's (``purelib``/``platlib``):
+    the same docstring extraction as the quickstart corpus, about ten times the text where
+    torch is installed. Machine-dependent, so only comparisons within one run are meaningful."""
+    sources = stdlib_sources()
+    seen = {rel for rel, _ in sources}
+    for key in ("purelib", "platlib"):
+        root = Path(sysconfig.get_paths()[key])
+        if root.is_dir():
+            for rel, src in stdlib_sources(root):
+                if rel not in seen:
+                    seen.add(rel)
+                    sources.append((rel, src))
+    return sources
 
 
 class Batches:
@@ -141,16 +173,16 @@ class MuonOn2D:
             p.grad = None
 
 
-def matrix_optimizer(kind: str, model: GPT, args: argparse.Namespace, engage: int):
+def matrix_optimizer(kind: str, model: GPT, lr: float, args: argparse.Namespace, engage: int):
     mats = model.param_roles()["matrices"]
     if kind == "anvil":
-        return Anvil(mats, lr=args.anvil_lr, weight_decay=args.anvil_wd, engage_step=engage)
+        return Anvil(mats, lr=lr, weight_decay=args.anvil_wd, engage_step=engage)
     if kind == "muon":
         if not hasattr(torch.optim, "Muon"):
             return None
-        return MuonOn2D(mats, lr=args.muon_lr)
+        return MuonOn2D(mats, lr=lr)
     if kind == "adamw":
-        return DistAdam(mats, lr=args.adamw_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        return DistAdam(mats, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     raise ValueError(kind)
 
 
@@ -167,9 +199,9 @@ def evaluate(model: GPT, val: list[dict], windows: tuple[int, int]) -> float:
     return total / count
 
 
-def train(kind: str, args: argparse.Namespace, train_batches: Batches, val: list[dict], device: torch.device,
-          log: Callable[[str], None]) -> Optional[dict]:
-    cfg = quickstart_config()
+def train(kind: str, lr: float, args: argparse.Namespace, train_batches: Batches, val: list[dict],
+          device: torch.device, log: Callable[[str], None]) -> Optional[dict]:
+    cfg = MODELS[args.model]()
     model = build_model(cfg, device, args.seed)
     engage = max(1, round(args.steps * ENGAGE_STEP / RECORD_STEPS))
     sched = Schedule(stages=[Stage(steps=args.steps, batch_tokens=args.seq_len, seq_len=args.seq_len,
@@ -178,7 +210,7 @@ def train(kind: str, args: argparse.Namespace, train_batches: Batches, val: list
                      cooldown_frac=0.6, final_lr_mul=0.1, momentum_warmup_steps=max(1, args.steps // 5),
                      momentum_cooldown_steps=max(1, args.steps // 24), anvil_engage_step=engage,
                      attention_cap=None, untie_step=None)
-    mat = matrix_optimizer(kind, model, args, engage)
+    mat = matrix_optimizer(kind, model, lr, args, engage)
     if mat is None:
         log(f"{kind}: not available in torch {torch.__version__}")
         return None
@@ -191,8 +223,8 @@ def train(kind: str, args: argparse.Namespace, train_batches: Batches, val: list
     for step in range(args.steps):
         s = sched.lr_mul(step)
         for o, lrs in zip((mat, adam), base_lrs):
-            for g, lr in zip(o.param_groups, lrs):
-                g["lr"] = lr * s
+            for g, group_lr in zip(o.param_groups, lrs):
+                g["lr"] = group_lr * s
                 if kind == "anvil" and "momentum" in g:
                     g["momentum"] = sched.momentum(step)
         mb = train_batches(step)
@@ -204,14 +236,14 @@ def train(kind: str, args: argparse.Namespace, train_batches: Batches, val: list
         mat.zero_grad(set_to_none=True)
         adam.zero_grad(set_to_none=True)
         if not math.isfinite(loss.item()):
-            log(f"{kind}: loss diverged at step {step}")
-            return {"kind": kind, "val": float("nan"), "seconds": time.perf_counter() - t0}
+            log(f"{kind} lr {lr:g}: loss diverged at step {step}")
+            return {"kind": kind, "lr": lr, "val": float("nan"), "seconds": time.perf_counter() - t0}
         if (step + 1) % max(1, args.steps // 5) == 0:
-            log(f"{kind}: step {step + 1}/{args.steps} train loss {loss.item():.4f}")
+            log(f"{kind} lr {lr:g}: step {step + 1}/{args.steps} train loss {loss.item():.4f}")
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"kind": kind, "val": evaluate(model, val, windows), "seconds": seconds}
+    return {"kind": kind, "lr": lr, "val": evaluate(model, val, windows), "seconds": seconds}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -224,6 +256,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--optimizers", nargs="+", default=["anvil", "muon", "adamw"])
+    ap.add_argument("--model", choices=sorted(MODELS), default="quickstart", help="model shape")
+    ap.add_argument("--text", choices=["stdlib", "installed"], default="stdlib",
+                    help="stdlib: the quickstart corpus; installed: also every installed package's docstrings "
+                         "(~10x the text, so a long run sees each token about once)")
+    ap.add_argument("--sweep", type=float, nargs="+", default=[1.0],
+                    help="multipliers of each optimizer's lr; the best run of each optimizer is compared")
     ap.add_argument("--anvil-lr", type=float, default=0.023)
     ap.add_argument("--anvil-wd", type=float, default=2.25)
     ap.add_argument("--muon-lr", type=float, default=0.02)
@@ -234,31 +272,49 @@ def main(argv: Optional[list[str]] = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; pass --device cpu for a smoke test")
 
-    info = build_corpus(progress=True)
+    t_build = time.perf_counter()
+    info = build_corpus(progress=True, sources=installed_sources() if args.text == "installed" else None)
     train_batches = Batches(info.train_paths, args.seq_len, device)
     val_stream = Batches(info.val_paths, args.seq_len, device)
     val = [val_stream(i) for i in range(max(1, min(val_stream.windows, args.val_tokens // args.seq_len)))]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; torch {torch.__version__}; {args.steps} steps x {args.seq_len} tokens; "
-          f"{len(val) * args.seq_len:,} validation tokens; corpus {info.key}")
+    seen = args.steps * args.seq_len
+    print(f"device: {name}; torch {torch.__version__}; model {args.model}; {args.steps} steps x {args.seq_len} tokens "
+          f"= {seen:,} tokens ({seen / info.train_tokens:.2f} epochs of {info.train_tokens:,}); "
+          f"{len(val) * args.seq_len:,} validation tokens; corpus {info.key} ({args.text}, "
+          f"{time.perf_counter() - t_build:.0f} s to load)")
 
+    base_lr = {"anvil": args.anvil_lr, "muon": args.muon_lr, "adamw": args.adamw_lr}
     results = []
     for kind in args.optimizers:
-        r = train(kind, args, train_batches, val, device, lambda msg: print("  " + msg, flush=True))
-        if r is not None:
-            results.append(r)
+        for mul in args.sweep:
+            r = train(kind, base_lr[kind] * mul, args, train_batches, val, device,
+                      lambda msg: print("  " + msg, flush=True))
+            if r is not None:
+                results.append(r)
 
     print()
-    print(f"{'hidden-matrix optimizer':26s} {'val loss':>9s} {'seconds':>8s}")
+    print(f"{'hidden-matrix optimizer':24s} {'lr':>8s} {'val loss':>9s} {'seconds':>8s}")
     for r in results:
-        print(f"{r['kind']:26s} {r['val']:9.4f} {r['seconds']:8.1f}")
-    anvil = next((r for r in results if r["kind"] == "anvil"), None)
+        print(f"{r['kind']:24s} {r['lr']:8.4g} {r['val']:9.4f} {r['seconds']:8.1f}")
+    best = {}
+    for r in results:
+        if math.isfinite(r["val"]) and (r["kind"] not in best or r["val"] < best[r["kind"]]["val"]):
+            best[r["kind"]] = r
+    print()
+    for kind, r in best.items():
+        edge = ""
+        tried = sorted(x["lr"] for x in results if x["kind"] == kind)
+        if len(tried) > 1 and r["lr"] in (tried[0], tried[-1]):
+            edge = " (at the edge of the sweep: widen it)"
+        print(f"best {kind}: lr {r['lr']:.4g}, val loss {r['val']:.4f}{edge}")
+    anvil = best.get("anvil")
     if anvil is not None:
-        for r in results:
-            if r is not anvil:
+        for kind, r in best.items():
+            if kind != "anvil":
                 margin = r["val"] - anvil["val"]
                 verdict = "ANVIL better" if margin > 0 else "ANVIL NOT better"
-                print(f"margin vs {r['kind']}: {margin:+.4f} nats ({verdict})")
+                print(f"margin of best ANVIL vs best {kind}: {margin:+.4f} nats ({verdict})")
 
 
 if __name__ == "__main__":
