@@ -330,3 +330,54 @@ def test_fast_gemm_rejects_wrong_layouts():
         _FAST.mm(a, b.t().contiguous().t(), one, one, torch.bfloat16, True)
     with pytest.raises(AssertionError, match="multiples of 16"):
         _FAST.mm(a[:, :40].contiguous(), b[:, :40].contiguous(), one, one, torch.bfloat16, True)
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", [(50, 72), (130, 33), (1, 257)])
+def test_transpose_bytes_equals_torch(seed, shape):
+    """The byte transpose used for the e5m2 tiles: every byte lands at its transposed place,
+    also for shapes that are not multiples of the tile."""
+    from nanogpt_pl.ops.triton.fp8_mlp import transpose_bytes
+
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    for dtype in (torch.uint8, E4M3, E5M2):
+        src = bits.view(dtype)
+        out = transpose_bytes(src, block=(32, 64))
+        assert out.dtype == dtype and out.shape == (shape[1], shape[0]) and out.is_contiguous()
+        assert torch.equal(out.view(torch.uint8), bits.t().contiguous())
+
+
+@interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fused_mlp_refresh_equals_pytorch_refresh(seed):
+    """The one-launch scale refresh of the fast path against the PyTorch refresh, exactly: weight
+    scales (exact phase, then lagged), delayed folds (including inf/NaN/zero/huge amaxes, which
+    must leave or cap the scale), reciprocals, the refresh count and the weight caches' bytes."""
+    from nanogpt_pl.ops import fp8 as f8
+
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.nn.Parameter((0.05 * torch.randn(96, 64, generator=gen)).bfloat16())
+    w2 = torch.nn.Parameter((0.05 * torch.randn(96, 64, generator=gen)).bfloat16())
+    states = [f8.Fp8MLPState(backend="emulated", exact_weight_refreshes=2) for _ in range(2)]
+    states[1]._kernels_override = f8._FAST
+    amaxes = [(3.7, 1e-3), (float("nan"), 0.0), (float("inf"), 5e13), (0.0, float("-inf")), (123.4, 2.5e-7)]
+    for step, (post_amax, dpre_amax) in enumerate(amaxes):
+        caches = []
+        for st in states:
+            st.post_amax.fill_(post_amax)
+            st.dpre_amax.fill_(dpre_amax)
+            kern = st._kernels(w1.device)
+            caches.append(st.caches_for(w1, w2, kern))
+        ref, fast = states
+        for name, buf in ref.named_buffers():
+            other = dict(fast.named_buffers())[name]
+            assert torch.equal(buf, other) or (buf.isnan().all() and other.isnan().all()), (step, name, buf, other)
+        for c_ref, c_fast in zip(*caches):
+            assert torch.equal(c_ref.row.view(torch.uint8), c_fast.row.view(torch.uint8)), step
+            assert torch.equal(c_ref.col.contiguous().view(torch.uint8), c_fast.col.view(torch.uint8)), step
+        with torch.no_grad():  # an optimizer step: new values, new version
+            w1.mul_(1.0 + 0.1 * torch.rand((), generator=gen))
+            w2.add_(0.01 * torch.randn(w2.shape, generator=gen).bfloat16())
+    assert int(states[1].refresh_count) == len(amaxes) == states[1]._refreshes

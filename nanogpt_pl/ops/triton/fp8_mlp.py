@@ -33,7 +33,12 @@ import triton.language as tl
 
 from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
 
-_GPU_TILE = (128, 128)
+# The ReLU² pass (bf16 in, e4m3 row-major and transposed out) at 49,152 x 2,816 on the H200:
+# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (notes/fp8_diag3.py).
+_GPU_TILE = (64, 128)
+# The dpre pass alone (no transposed store) at 49,152 x 2,816 on the H200: 0.217 ms with 32x128
+# tiles against 0.349 ms with 128x128 (notes/fp8_diag2.py).
+_DPRE_TILE = (32, 128)
 # GEMM tiles for H100/H200 FP8 (K-major operands, wgmma): 3 stages of 32 KiB fit in
 # shared memory twice over, so two CTAs per SM overlap one's epilogue with the other's loads.
 GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
@@ -93,7 +98,7 @@ def relu2_quantize(pre: torch.Tensor, inv_post_scale: torch.Tensor, post_amax: t
 
 def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tensor,
                   inv_dpre_scale: torch.Tensor, dpre_amax: torch.Tensor,
-                  block: tuple[int, int] = _GPU_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: tuple[int, int] = _DPRE_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """2 * dpl * sqrt(post * post_scale) quantized to e5m2 (row-major and transposed).
 
     Args:
@@ -110,17 +115,98 @@ def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tenso
     _dpre_quantize_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         dpl, post, row, post_scale, inv_dpre_scale, dpre_amax, m, n, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=8 if bm * bn >= 128 * 128 else 4)
-    return row, _transpose_e5m2(row)
+    return row, transpose_bytes(row)
 
 
-def _transpose_e5m2(row: torch.Tensor) -> torch.Tensor:
-    """The transposed copy of an e5m2 tile, made by PyTorch.
+@triton.jit
+def _fold(amax_ptr, scale_ptr, inv_ptr, GAIN: tl.constexpr, FLOOR: tl.constexpr, CEIL: tl.constexpr):
+    """Delayed scale: scale <- max(a·GAIN, FLOOR) if a > 0 (a = amax with inf/NaN as 0, capped); amax <- 0."""
+    a = tl.load(amax_ptr)
+    a = tl.where(a == a, a, 0.0)
+    a = tl.where(tl.abs(a) == float("inf"), 0.0, a)
+    a = tl.minimum(a, CEIL)
+    scale = tl.where(a > 0, tl.maximum(a * GAIN, FLOOR), tl.load(scale_ptr))
+    tl.store(scale_ptr, scale)
+    tl.store(amax_ptr, 0.0)
+    tl.store(inv_ptr, tl.div_rn(1.0, scale))
 
-    On the H200 (triton 3.6) the kernels' own transposed e5m2 stores wrote wrong bytes (the
-    row-major copies were right; tests/test_fp8_layouts.py), so the e5m2 outputs are
-    transposed here, at the cost of one extra read and write of the tile.
+
+@triton.jit
+def _weight_scale(amax_ptr, scale_ptr, inv_ptr, GAIN: tl.constexpr, FLOOR: tl.constexpr, FMT_MAX: tl.constexpr):
+    scale = tl.div_rn(tl.maximum(tl.load(amax_ptr) * GAIN, FLOOR), FMT_MAX)
+    tl.store(scale_ptr, scale)
+    tl.store(inv_ptr, tl.div_rn(1.0, scale))
+    tl.store(amax_ptr, 0.0)
+
+
+@triton.jit
+def _mlp_refresh_kernel(w1_amax, w1_scale, w1_inv, w2_amax, w2_scale, w2_inv,
+                        post_amax, post_scale, post_inv, dpre_amax, dpre_scale, dpre_inv,
+                        x_scale, x_inv, grad_scale, grad_inv, count_ptr,
+                        W_GAIN: tl.constexpr, W_FLOOR: tl.constexpr, W_MAX: tl.constexpr,
+                        POST_GAIN: tl.constexpr, POST_FLOOR: tl.constexpr,
+                        DPRE_GAIN: tl.constexpr, DPRE_FLOOR: tl.constexpr, CEIL: tl.constexpr):
+    # weights: scale = max(amax·W_GAIN, W_FLOOR) / W_MAX from the amax of the last refresh
+    # (or of now, in the exact phase); the amax is zeroed for the quantize pass to refill
+    _weight_scale(w1_amax, w1_scale, w1_inv, W_GAIN, W_FLOOR, W_MAX)
+    _weight_scale(w2_amax, w2_scale, w2_inv, W_GAIN, W_FLOOR, W_MAX)
+    _fold(post_amax, post_scale, post_inv, POST_GAIN, POST_FLOOR, CEIL)
+    _fold(dpre_amax, dpre_scale, dpre_inv, DPRE_GAIN, DPRE_FLOOR, CEIL)
+    tl.store(x_inv, tl.div_rn(1.0, tl.load(x_scale)))
+    tl.store(grad_inv, tl.div_rn(1.0, tl.load(grad_scale)))
+    tl.store(count_ptr, tl.load(count_ptr) + 1)
+
+
+def mlp_refresh_scales(state, exact: bool, constants: dict) -> None:
+    """Every scale update of an FP8 MLP weight refresh in one launch (``Fp8MLPState.caches_for``).
+
+    The PyTorch reference is the emulated branch of ``caches_for``: weight scales from the
+    amax buffers (times the lag headroom unless ``exact``), their reciprocals, the two
+    delayed-scale folds, the reciprocals of the static scales and the refresh count. The weight
+    amax buffers are left at zero; the weights' quantize passes refill them (``amax_into``).
+    ``constants`` holds the headroom, floor and ceiling values (from ``nanogpt_pl.ops.fp8``).
     """
-    return row.t().contiguous()
+    c = constants
+    _mlp_refresh_kernel[(1,)](
+        state.w1_amax, state.w1_scale, state._w1_inv, state.w2_amax, state.w2_scale, state._w2_inv,
+        state.post_amax, state.post_scale, state._post_inv, state.dpre_amax, state.dpre_scale, state._dpre_inv,
+        state.x_scale, state._x_inv, state.grad_scale, state._grad_inv, state.refresh_count,
+        W_GAIN=1.0 if exact else c["w_gain"], W_FLOOR=c["w_floor"], W_MAX=c["w_max"],
+        POST_GAIN=c["post_gain"], POST_FLOOR=c["post_floor"], DPRE_GAIN=c["dpre_gain"],
+        DPRE_FLOOR=c["dpre_floor"], CEIL=c["ceil"], num_warps=1)
+
+
+@triton.jit
+def _transpose_bytes_kernel(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = tl.load(src_ptr + offs_m[:, None] * n + offs_n[None, :],
+                mask=(offs_m < m)[:, None] & (offs_n < n)[None, :], other=0)
+    tl.store(dst_ptr + offs_n[:, None] * m + offs_m[None, :], tl.trans(v),
+             mask=(offs_n < n)[:, None] & (offs_m < m)[None, :])
+
+
+# (64, 128) tiles, 4 warps: 0.086 ms for a 49,152 x 2,816 byte tile on the H200, against 0.91 ms
+# for PyTorch's row.t().contiguous() (notes/fp8_diag2.py).
+_TRANSPOSE_TILE = (64, 128)
+
+
+def transpose_bytes(row: torch.Tensor, block: tuple[int, int] = _TRANSPOSE_TILE) -> torch.Tensor:
+    """The contiguous transpose of a 2-D 1-byte tensor (an FP8 tile), by a separate Triton kernel.
+
+    The e5m2 (backward) tiles are transposed here rather than in the kernels that compute
+    them: on the H200 (triton 3.6) the dpre kernels' own transposed stores wrote wrong bytes,
+    whether the tile was stored as e5m2 or as its uint8 bit pattern and for every tile shape
+    tried (notes/fp8_diag2.py, tests/test_fp8_layouts.py); a kernel that only moves bytes
+    writes them right.
+    """
+    assert row.ndim == 2 and row.is_contiguous() and row.element_size() == 1
+    m, n = row.shape
+    out = torch.empty((n, m), device=row.device, dtype=row.dtype)
+    bm, bn = block
+    _transpose_bytes_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        row.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -188,7 +274,7 @@ def _fp8_gemm_epilogue_kernel(a_ptr, b_ptr, row_ptr, t_ptr, aux_ptr,
         q = to_fp8(val * tl.load(inv_out_scale_ptr), False)
     tl.atomic_max(amax_ptr, tile_max)
     tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
-    if not BACKWARD:  # the e5m2 (backward) transpose is made by PyTorch, see _transpose_e5m2
+    if not BACKWARD:  # the e5m2 (backward) transpose is made by transpose_bytes
         t_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tl.store(t_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=t_mask)
 
@@ -206,7 +292,7 @@ def _gemm_launch(a, b, aux, scale_a, scale_b, aux_scale, inv_out_scale, amax, ou
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         BACKWARD=backward, EVEN_K=k % cfg["BLOCK_K"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return (row, _transpose_e5m2(row)) if backward else (row, t)
+    return (row, transpose_bytes(row)) if backward else (row, t)
 
 
 def fp8_gemm_relu2(x_f8: torch.Tensor, w_f8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,

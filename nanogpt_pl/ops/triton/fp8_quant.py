@@ -29,7 +29,9 @@ E5M2_MAX = 57344.0
 # nearest integer, ties to even, using the FPU's own round-to-nearest-even.
 _RNE_MAGIC = tl.constexpr(12582912.0)
 
-_GPU_TILE = (128, 128)
+# 64 x 128 tiles, 4 warps: 0.088 ms for a 49,152 x 768 bf16 -> e4m3/e5m2 dual pass on the H200,
+# against 0.093 / 0.110 ms with 128 x 128 (notes/fp8_diag3.py).
+_GPU_TILE = (64, 128)
 
 
 @triton.jit
@@ -79,7 +81,8 @@ def to_fp8(v, E5M2: tl.constexpr):
 def _quantize_dual_kernel(src_ptr, row_ptr, t_ptr, inv_scale_ptr, tile_amax_ptr,
                           m_src, m_out, k, stride_sm, stride_sk,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E5M2: tl.constexpr,
-                          WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, TILE_AMAX: tl.constexpr):
+                          WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, TILE_AMAX: tl.constexpr,
+                          AMAX_ATOMIC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,7 +101,10 @@ def _quantize_dual_kernel(src_ptr, row_ptr, t_ptr, inv_scale_ptr, tile_amax_ptr,
         tl.store(t_ptr + offs_k[:, None] * m_out + offs_m[None, :], tl.trans(q), mask=t_mask)
     if TILE_AMAX:
         tile_max = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-        tl.store(tile_amax_ptr + pid_m * tl.num_programs(1) + pid_k, tile_max)
+        if AMAX_ATOMIC:  # one running max for the whole tensor
+            tl.atomic_max(tile_amax_ptr, tile_max)
+        else:
+            tl.store(tile_amax_ptr + pid_m * tl.num_programs(1) + pid_k, tile_max)
 
 
 def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -107,7 +113,8 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.dtype, *,
                   rows_out: int | None = None, write_row: bool = True, write_t: bool = True,
-                  tile_amax: bool = False, block: tuple[int, int] = _GPU_TILE,
+                  tile_amax: bool = False, amax_into: torch.Tensor | None = None,
+                  block: tuple[int, int] = _GPU_TILE,
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize a 2-D ``src`` [M, K] to ``fp8_dtype`` as ``clamp(src * inv_scale)``.
 
@@ -121,6 +128,8 @@ def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.d
             contiguous [K, rows_out] copy.
         tile_amax: also return the per-tile max |src| (one fp32 per tile), used for the
             lagged weight scales.
+        amax_into: a 1-element fp32 tensor that instead receives max(itself, max |src|) by
+            atomic max (no per-tile buffer, no reduction launch); returned in the third slot.
         block: (BLOCK_M, BLOCK_K) tile.
 
     Returns:
@@ -135,13 +144,17 @@ def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.d
     t = torch.empty((k, m_out), device=dev, dtype=fp8_dtype) if write_t else None
     bm, bk = block
     grid = (triton.cdiv(m_out, bm), triton.cdiv(k, bk))
-    amax = torch.empty(grid[0] * grid[1], device=dev, dtype=torch.float32) if tile_amax else None
+    if amax_into is not None:
+        amax = amax_into
+    else:
+        amax = torch.empty(grid[0] * grid[1], device=dev, dtype=torch.float32) if tile_amax else None
     _quantize_dual_kernel[grid](
         src, row if row is not None else _dummy(dev, fp8_dtype),
         t if t is not None else _dummy(dev, fp8_dtype), inv_scale,
         amax if amax is not None else _dummy(dev, torch.float32),
         m, m_out, k, src.stride(0), src.stride(1),
         BLOCK_M=bm, BLOCK_K=bk, E5M2=fp8_dtype == torch.float8_e5m2,
-        WRITE_ROW=write_row, WRITE_T=write_t, TILE_AMAX=tile_amax,
+        WRITE_ROW=write_row, WRITE_T=write_t, TILE_AMAX=tile_amax or amax_into is not None,
+        AMAX_ATOMIC=amax_into is not None,
         num_warps=8 if bm * bk >= 128 * 128 else 4)
     return row, t, amax
