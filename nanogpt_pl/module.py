@@ -446,6 +446,8 @@ class SpeedrunModule(L.LightningModule):
         self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
         self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
         self.log("lr", self.schedule.lr_mul(step), batch_size=1)
+        # tokens this rank's documents lost to the step's max_doc_len (data.long_documents)
+        self.log("train/doc_tokens_cut", float(sum(mb.get("doc_tokens_cut", 0) for mb in micro)), batch_size=1)
         return mean_loss
 
     # -- state capture (the speedrun timer resets to the start after its warmup) -------

@@ -24,6 +24,7 @@ from data_fixtures import (  # noqa: E402
 from nanogpt_pl.data import loader as loader_mod  # noqa: E402
 from nanogpt_pl.data.loader import (  # noqa: E402
     DataExhaustedError,
+    DocumentTooLongError,
     TrainStream,
     ValidationSet,
     iter_steps,
@@ -187,6 +188,51 @@ def test_shard_switch_drops_partial_step(tmp_path):
             np.testing.assert_array_equal(mb["inputs"].numpy(), ref[s][i][0][:-1])
     np.testing.assert_array_equal(steps[0][1]["inputs"].numpy(), a[40 : 40 + T])
     np.testing.assert_array_equal(steps[1][0]["inputs"].numpy()[:5], b[:5])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_long_documents_truncated_and_counted(tmp_path, seed):
+    """Documents over max_doc_len keep their first max_doc_len tokens (the record's rule); each
+    micro-batch counts the tokens its documents lost, matching a plain recount."""
+    T, cap = 64, 24
+    sched = small_schedule([(4, 2 * T, T, cap)])
+    rng = np.random.default_rng(seed)
+    docs = random_documents(rng, 60, 30)  # geometric lengths around 30: many exceed the cap
+    path = write_shard(tmp_path / f"long_{seed}_000001.bin", np.concatenate(docs))
+    steps = _take(_stream([path], sched), 4)
+    # recount: walk the documents as the loader does (whole pieces, then the slice boundary)
+    lengths = [len(d) for d in docs]
+    k, expected = 0, []
+    for _ in range(4 * 2):
+        need, cut = T + 1, 0
+        while need > 0:
+            take = min(lengths[k], cap)
+            cut += lengths[k] - take
+            need -= take
+            k += 1
+        expected.append(cut)
+    got = [mb["doc_tokens_cut"] for step in steps for mb in step]
+    assert got == expected and sum(got) > 0
+    for step in steps:
+        for mb in step:
+            _check_micro_batch(mb, T, cap)
+
+
+def test_long_documents_error_names_the_shard(tmp_path):
+    T, cap = 32, 24
+    sched = small_schedule([(2, T, T, cap)])
+    docs = [np.concatenate([[BOS], np.full(10, 7)]), np.concatenate([[BOS], np.full(40, 9)]),
+            np.concatenate([[BOS], np.full(30, 5)])]
+    path = write_shard(tmp_path / "long_000001.bin", np.concatenate(docs).astype(np.uint16))
+    with pytest.raises(DocumentTooLongError, match=r"long_000001\.bin: the document at token 11 has 41 tokens, "
+                                                   r"more than the schedule's max_doc_len of 24 at step 0.*"
+                                                   r"data\.long_documents: truncate"):
+        _take(_stream([path], sched, long_documents="error"), 1)
+    with pytest.raises(ValueError, match=r"data\.long_documents='cut'"):
+        _stream([path], sched, long_documents="cut")
+    # the default keeps the record's rule
+    (mb,), = _take(_stream([path], sched), 1)
+    assert mb["doc_tokens_cut"] == 41 - 24
 
 
 def test_data_exhausted(tmp_path):

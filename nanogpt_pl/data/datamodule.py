@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from nanogpt_pl.data.loader import TrainStream, ValidationSet
+from nanogpt_pl.data.loader import LONG_DOCUMENTS, TrainStream, ValidationSet
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
 from nanogpt_pl.data.tokenizer import VOCAB_SIZE
 from nanogpt_pl.schedule import Schedule
@@ -37,6 +37,10 @@ class SpeedrunDataModule(L.LightningDataModule):
         epochs: passes over the training shards. 1 (the default) stops with an error when
             the data runs out; more repeats the shards in the same order, for corpora smaller
             than the schedule's token count.
+        long_documents: ``"truncate"`` (the record's rule: documents longer than the step's
+            ``max_doc_len`` keep their first ``max_doc_len`` tokens; the dropped tokens are
+            logged as ``train/doc_tokens_cut``) or ``"error"`` (stop with an error naming the
+            shard and document).
         schedule: batch tokens, sequence length and document cap per step (linked from the
             top-level ``schedule`` section by the CLI; the record's table if omitted).
     """
@@ -51,6 +55,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         vocab_size: int = VOCAB_SIZE,
         prefetch: int = 8,
         epochs: int = 1,
+        long_documents: str = "truncate",
         schedule: Optional[Schedule] = None,
     ):
         super().__init__()
@@ -60,6 +65,9 @@ class SpeedrunDataModule(L.LightningDataModule):
             raise ValueError(f"data.prefetch must be >= 1, got {prefetch}")
         if epochs < 1:
             raise ValueError(f"data.epochs must be >= 1, got {epochs}")
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"data.long_documents={long_documents!r}: choose one of {list(LONG_DOCUMENTS)}")
+        self.long_documents = long_documents
         self.save_hyperparameters(ignore=["schedule"])
         self.train_files = train_files
         self.val_files = val_files
@@ -148,6 +156,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             stop_step=self.stop_step(),
             consumed_steps=consumed,
             epochs=self.epochs,
+            long_documents=self.long_documents,
         )
         return self._stream
 
@@ -183,7 +192,7 @@ class SpeedrunDataModule(L.LightningDataModule):
                 raise ShardError(f"data.train_files is not set; {MAKE_DATA_HINT}")
             self._probe = TrainStream(
                 train, self.schedule, world_size=self.world_size, rank=self.rank,
-                vocab_size=self.vocab_size, prefetch=1, epochs=self.epochs,
+                vocab_size=self.vocab_size, prefetch=1, epochs=self.epochs, long_documents=self.long_documents,
             )
         probe = self._probe
         plan = probe.walker.plan(step, probe.cursor_at(step))

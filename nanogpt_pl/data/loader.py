@@ -7,7 +7,9 @@ the same document cursor, so they agree on every slice without communicating:
 slice ``i`` is rank ``i % W``'s micro-batch ``i // W``. A slice is a run of
 document *pieces*, each starting at a BOS token (50256) and ending at the first
 of: the next BOS, ``max_doc_len`` tokens, or the tokens the slice still needs.
-Truncated tails are dropped and the next piece starts at the next unused BOS.
+Truncated tails are dropped and the next piece starts at the next unused BOS. The tokens a
+step loses to ``max_doc_len`` are counted (``doc_tokens_cut`` of each micro-batch, logged as
+``train/doc_tokens_cut``); ``long_documents="error"`` refuses such documents instead.
 
 Because slices are cut in the same global order whatever ``W`` and ``A`` are, one
 rank with 8 micro-batches sees exactly the data of 8 ranks with one each, and a
@@ -225,19 +227,30 @@ class StepPlan:
     lengths: list  # per slice: int64 array of piece lengths (sum seq_len + 1)
     cursor: Cursor  # where this step started
     next_cursor: Cursor
+    cut: list = None  # per slice: tokens its documents lost to max_doc_len
+
+
+LONG_DOCUMENTS = ("truncate", "error")
+
+
+class DocumentTooLongError(ValueError):
+    """A document is longer than the schedule's ``max_doc_len`` and ``data.long_documents`` is "error"."""
 
 
 def plan_slices(
-    shard: IndexedShard, pos: int, n_slices: int, seq_len: int, max_doc_len: int
-) -> Optional[tuple[list, list, int]]:
+    shard: IndexedShard, pos: int, n_slices: int, seq_len: int, max_doc_len: int,
+    long_documents: str = "truncate", step: Optional[int] = None,
+) -> Optional[tuple[list, list, int, list]]:
     """Cut ``n_slices`` slices of ``seq_len + 1`` tokens starting at BOS number ``pos``.
 
-    Returns ``(starts, lengths, next_pos)`` per slice, or None when the shard runs out of
+    Returns ``(starts, lengths, next_pos, cut)`` per slice (``cut``: tokens beyond
+    ``max_doc_len`` in the slice's documents, dropped), or None when the shard runs out of
     documents first (the caller drops the partial step and moves to the next shard).
+    ``long_documents="error"`` raises :class:`DocumentTooLongError` for such a document.
     """
     need = seq_len + 1
     n_bos = shard.bos.size
-    all_starts, all_lengths = [], []
+    all_starts, all_lengths, all_cut = [], [], []
     window = max(16, need // 256)
     for _ in range(n_slices):
         while True:
@@ -247,16 +260,27 @@ def plan_slices(
             cum = np.cumsum(lengths)
             if cum.size and cum[-1] >= need:
                 k = int(np.searchsorted(cum, need))  # first piece that completes the slice
+                full = shard.doc_end[pos:pos + k + 1] - starts[: k + 1]
+                over = np.maximum(full - max_doc_len, 0)
+                if long_documents == "error" and over.any():
+                    i = int(np.flatnonzero(over)[0])
+                    at = f" at step {step}" if step is not None else ""
+                    raise DocumentTooLongError(
+                        f"{shard.path}: the document at token {int(starts[i]):,} has {int(full[i]):,} tokens, more than "
+                        f"the schedule's max_doc_len of {max_doc_len:,}{at}, and data.long_documents is 'error'. "
+                        f"Set data.long_documents: truncate (the record's rule: keep its first max_doc_len tokens), "
+                        f"raise max_doc_len in schedule.stages, or split long documents when preparing the data")
                 lengths = lengths[: k + 1].copy()
                 lengths[k] -= int(cum[k]) - need
                 all_starts.append(starts[: k + 1])
                 all_lengths.append(lengths)
+                all_cut.append(int(over.sum()))
                 pos += k + 1
                 break
             if hi >= n_bos:
                 return None
             window *= 4
-    return all_starts, all_lengths, pos
+    return all_starts, all_lengths, pos, all_cut
 
 
 class DocumentWalker:
@@ -266,9 +290,13 @@ class DocumentWalker:
     ``k`` of the stream is file ``k % len(shards)``.
     """
 
-    def __init__(self, shards: ShardSet, schedule: Schedule, world_size: int, epochs: int = 1):
+    def __init__(self, shards: ShardSet, schedule: Schedule, world_size: int, epochs: int = 1,
+                 long_documents: str = "truncate"):
         if epochs < 1:
             raise ValueError(f"data.epochs must be >= 1, got {epochs}")
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"data.long_documents={long_documents!r}: choose one of {LONG_DOCUMENTS}")
+        self.long_documents = long_documents
         self.shards = shards
         self.schedule = schedule
         self.world_size = world_size
@@ -287,10 +315,10 @@ class DocumentWalker:
         c = cursor
         while c.shard < len(self.shards) * self.epochs:
             shard = self.shards.get(c.shard % len(self.shards))
-            cut = plan_slices(shard, c.bos, n_slices, seq_len, max_doc_len)
+            cut = plan_slices(shard, c.bos, n_slices, seq_len, max_doc_len, self.long_documents, step)
             if cut is not None:
-                starts, lengths, pos = cut
-                return StepPlan(step, seq_len, shard, starts, lengths, c, Cursor(c.shard, pos))
+                starts, lengths, pos, dropped = cut
+                return StepPlan(step, seq_len, shard, starts, lengths, c, Cursor(c.shard, pos), dropped)
             c = Cursor(c.shard + 1, 0)
         passes = f" in {self.epochs} passes (data.epochs)" if self.epochs > 1 else ""
         served = f"steps 0..{step - 1} were served" if step > 0 else "not one step could be served"
@@ -312,6 +340,7 @@ def build_micro_batch(
     step: int,
     attention_split: Optional[int] = None,
     pin: bool = False,
+    doc_tokens_cut: int = 0,
 ) -> MicroBatch:
     """Gather one slice's tokens and its packed-sequence boundaries."""
     buf = np.concatenate([shard.tokens[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
@@ -328,6 +357,7 @@ def build_micro_batch(
         "cu_seqlens": _to_torch(pack_cu_seqlens(boundaries, seq_len), pin),
         "max_seqlen": int(seg.max()),
         "step": int(step),
+        "doc_tokens_cut": int(doc_tokens_cut),
     }
 
 
@@ -462,6 +492,9 @@ class TrainStream:
         start_step: the first step (the cursor is advanced over the earlier steps).
         epochs: passes over the shards; after the last shard the stream starts again at the
             first (the default 1 stops with an error when the data runs out).
+        long_documents: ``"truncate"`` (the record's rule: a document longer than the step's
+            ``max_doc_len`` keeps its first ``max_doc_len`` tokens; the rest are dropped and
+            counted) or ``"error"`` (raise :class:`DocumentTooLongError` naming the shard).
         stop_step: the stream ends before this step (default ``schedule.total_steps``).
         consumed_steps: a counter that grows by one per trained step (the data module passes
             the fit loop's processed-batch count); ``start_step`` (or the step of the last
@@ -485,6 +518,7 @@ class TrainStream:
         pin_memory: Optional[bool] = None,
         option: str = "data.train_files",
         epochs: int = 1,
+        long_documents: str = "truncate",
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -498,7 +532,7 @@ class TrainStream:
         self.prefetch = prefetch
         self.stop_step = self.schedule.total_steps if stop_step is None else int(stop_step)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.walker = DocumentWalker(self.shards, self.schedule, world_size, epochs)
+        self.walker = DocumentWalker(self.shards, self.schedule, world_size, epochs, long_documents)
         self._consumed_steps = consumed_steps
         self._lock = threading.Lock()
         # cursor before each recent step; step 0 always starts at the first BOS of shard 0
@@ -521,7 +555,8 @@ class TrainStream:
         """This rank's micro-batches of a planned step (slice ``i`` is rank ``i % W``'s)."""
         split = self.schedule.attention_split(plan.step)
         return [
-            build_micro_batch(plan.shard, plan.starts[i], plan.lengths[i], plan.seq_len, plan.step, split, self.pin_memory)
+            build_micro_batch(plan.shard, plan.starts[i], plan.lengths[i], plan.seq_len, plan.step, split,
+                              self.pin_memory, plan.cut[i] if plan.cut else 0)
             for i in range(self.rank, len(plan.starts), self.world_size)
         ]
 
