@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import time_cuda  # noqa: E402
 from nanogpt_pl.ops.cross_entropy import TorchHeadMatmul  # noqa: E402
 from nanogpt_pl.ops.fp8 import Fp8Head, Fp8MLPState, fp8_mlp  # noqa: E402
 
@@ -61,31 +62,8 @@ HEAD_STD = 0.02
 
 def measure(step: Callable[[], Optional[torch.Tensor]], params: list[torch.Tensor], warmup: int, iters: int):
     """(median ms, peak MB above the resting allocation, first output) of ``step``."""
-    out = None
-    for i in range(warmup):
-        for p in params:
-            p.grad = None
-        r = step()
-        if i == 0:
-            out = None if r is None else r.detach().float().clone()
-    torch.cuda.synchronize()
-    for p in params:
-        p.grad = None
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        for p in params:
-            p.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), peak, out
+    t = time_cuda(step, warmup, iters, params)
+    return t.median_ms, t.peak_bytes / 2**20, t.first
 
 
 def measure_graph(step: Callable[[], Optional[torch.Tensor]], params: list[torch.Tensor], warmup: int, iters: int):

@@ -23,7 +23,6 @@ faster with <= 1/3 of its peak memory.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import time_cuda  # noqa: E402
 from nanogpt_pl.ops.cross_entropy import (  # noqa: E402
     VOCAB_SIZE,
     CandidateSampler,
@@ -58,30 +58,8 @@ def zipf_targets(n: int, seed: int = 0) -> np.ndarray:
 
 def measure(step: Callable[[], None], params: list[torch.Tensor], warmup: int, iters: int):
     """Median ms of ``step`` (forward+backward) and peak bytes allocated above the start."""
-    for _ in range(warmup):
-        for p in params:
-            p.grad = None
-        step()
-    torch.cuda.synchronize()
-    for p in params:
-        p.grad = None
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        for p in params:
-            p.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    peak = torch.cuda.max_memory_allocated() - base
-    for p in params:
-        p.grad = None
-    return statistics.median(times), peak
+    t = time_cuda(step, warmup, iters, params)
+    return t.median_ms, t.peak_bytes
 
 
 def torch_full(x, w, t):

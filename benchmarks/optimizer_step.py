@@ -26,7 +26,6 @@ Run: ``python benchmarks/optimizer_step.py [--quick]`` on a CUDA machine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import time_cuda  # noqa: E402
 from nanogpt_pl.optim.anvil import Anvil  # noqa: E402
 from nanogpt_pl.optim.polar import polar_cascade  # noqa: E402
 
@@ -85,22 +85,10 @@ def fill_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def time_fn(fn: Callable[[], None], warmup: int, steps: int) -> tuple[float, float, float]:
-    """(median ms, p90 ms, peak MiB) of ``fn`` after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    peak = torch.cuda.max_memory_allocated() / 2**20
-    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak
+    """(median ms, p90 ms, peak MiB) of ``fn`` after ``warmup`` untimed calls; the peak counts
+    everything allocated (parameters, gradients, optimizer state, temporaries)."""
+    t = time_cuda(fn, warmup, steps, absolute_peak=True)
+    return t.median_ms, t.p90_ms, t.peak_bytes / 2**20
 
 
 def optimizer_row(name: str, build: Callable[[], tuple[torch.optim.Optimizer, list]], warmup: int, steps: int,

@@ -4,10 +4,11 @@ Variants of the dpre kernel (elementwise path): transposed store of the fp8 tile
 original), of its uint8 bit pattern, a separate uint8 transpose kernel, and PyTorch's
 transpose; tile shapes; sqrt_rn vs sqrt. Prints bytes-equal flags and median ms.
 """
-import statistics
 import sys
 
 import torch
+
+from benchmarks.gpu_timing import time_cuda
 import triton
 import triton.language as tl
 
@@ -49,18 +50,7 @@ def transpose_u8_kernel(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return time_cuda(fn, 3, iters).median_ms
 
 
 def main():

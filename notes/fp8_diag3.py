@@ -1,25 +1,15 @@
 """GPU diagnosis 3: tile shapes of the relu2 and quantize_dual kernels (bytes checked against the row-major copy)."""
-import statistics
 
 import torch
+
+from benchmarks.gpu_timing import time_cuda
 
 from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize
 from nanogpt_pl.ops.triton.fp8_quant import quantize_dual
 
 
 def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return time_cuda(fn, 3, iters).median_ms
 
 
 def same_t(t, row):

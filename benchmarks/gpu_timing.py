@@ -1,0 +1,55 @@
+"""The one timing loop of the GPU benchmarks: CUDA-event wall time of a callable, and its peak memory."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p90_ms: float
+    peak_bytes: int  # peak allocated during the timed calls, above the allocation before them
+    first: Optional[torch.Tensor]  # a float copy of the first warmup call's output (None if it returned None)
+
+
+def time_cuda(step: Callable[[], Any], warmup: int, iters: int, params: Sequence[torch.Tensor] = (),
+              absolute_peak: bool = False) -> Timing:
+    """Run ``step`` ``warmup`` times untimed, then ``iters`` times between CUDA events.
+
+    ``params``' gradients are cleared before every call (each call is one forward+backward,
+    not an accumulation). The peak is measured above what was allocated before the timed
+    calls, or from zero with ``absolute_peak`` (parameters and optimizer state included).
+    """
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+
+    first = None
+    for i in range(warmup):
+        clear()
+        out = step()
+        if i == 0 and isinstance(out, torch.Tensor):
+            first = out.detach().float().clone()
+    torch.cuda.synchronize()
+    clear()
+    torch.cuda.empty_cache()
+    base = 0 if absolute_peak else torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        clear()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() - base
+    clear()
+    times.sort()
+    return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak, first)
