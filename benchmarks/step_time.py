@@ -115,7 +115,7 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
-def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False) -> dict:
+def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False, cprofile: bool = False) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     module, data = cli.model, cli.datamodule
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +130,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False) -
     it = iter(stream)
     _reset_peak()
     t0 = None
-    prof = None
+    prof = cprof = None
     for step in range(warmup + steps):
         if step == warmup:
             _sync()
@@ -139,12 +139,24 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False) -
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
+            if cprofile:
+                import cProfile
+
+                cprof = cProfile.Profile()
+                cprof.enable()
         batch = module.prepare_batch(next(it), step)
         batch = module.transfer_batch_to_device(batch, device, 0)
         apply_schedule(module, step)
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0
+    if cprof is not None:
+        import pstats
+
+        cprof.disable()
+        stats = pstats.Stats(cprof, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(45)
     if prof is not None:
         prof.__exit__(None, None, None)
         avg = prof.key_averages()
@@ -165,6 +177,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
     ap.add_argument("--child", choices=["lightning", "plain"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="profile the plain loop's timed steps (top ops)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="Python profile (cProfile) of the plain loop's timed steps: where the host time goes")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     a = ap.parse_args()
@@ -178,7 +192,7 @@ def main() -> None:
 
     if a.child:
         if a.child == "plain":
-            result = run_plain(args, a.warmup, a.steps, profile=a.profile)
+            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile)
         else:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
@@ -191,8 +205,8 @@ def main() -> None:
     for mode in (["plain", "lightning"] if a.only == "both" else [a.only]):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if a.profile and mode == "plain":
-            print(proc.stderr[-20000:])
+        if (a.profile or a.cprofile) and mode == "plain":
+            print(proc.stderr[-40000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(proc.stdout[-3000:], proc.stderr[-5000:])
