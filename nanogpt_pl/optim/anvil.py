@@ -566,7 +566,8 @@ class Anvil(torch.optim.Optimizer):
             return
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+            # thread_local: the data loader's prefetch thread may allocate (pinned) memory meanwhile
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=side, capture_error_mode="thread_local"):
                 self._local_work(bank, grad, own, scalars, copy_back)
         except Exception as err:  # pragma: no cover - depends on the GPU toolchain
             # capture records kernels without running them, so nothing was updated yet
