@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session A: integration smoke on CUDA, step time, GPU tests, lm_head benchmark.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch,triton,lightning,sys;print(sys.version.split()[0],torch.__version__,triton.__version__,lightning.__version__)"
 echo "=== quickstart on GPU (30 steps)"

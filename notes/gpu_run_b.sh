@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session B: quickstart on CUDA, compiled step time (Lightning vs plain), FP8 and optimizer benchmarks.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 R=$PWD
 echo "=== quickstart on GPU (full config)"
 ( cd /tmp && timeout 100 python3 $R/main.py fit --config $R/configs/quickstart.yaml --trainer.enable_progress_bar false ) > $OUT/quickstart.log 2>&1; echo "rc=$?"

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session C: profile of a speedrun step, FP8/n-gram/optimizer-quality benchmarks, quickstart, stage-2 step time.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 R=$PWD
 echo "=== profile: speedrun_1gpu stage 0, eager, plain loop"
 timeout 100 python3 benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 2 --warmup 2 \

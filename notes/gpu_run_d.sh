@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session D: the whole GPU test suite, optimizer quality at 400 steps, stage-2 step time.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 echo "=== GPU tests"
 timeout 170 python3 -m pytest -q -m cuda -p no:cacheprovider tests > $OUT/gpu_tests.log 2>&1; echo "rc=$?"
 grep -E "passed|failed|FAILED" $OUT/gpu_tests.log | tail -12

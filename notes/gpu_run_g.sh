@@ -2,10 +2,7 @@
 # GPU session G: verify the e5m2 transpose fix, ANVIL CUDA graphs (tests + step time), FP8 MLP profile,
 # optimizer quality with an lr sweep on a larger corpus.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 echo "=== GPU tests: FP8 + ANVIL"
 timeout 170 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_fp8_layouts.py tests/test_fp8.py \
     tests/test_fp8_training.py tests/test_anvil.py > $OUT/gpu_tests.log 2>&1; echo "rc=$?"

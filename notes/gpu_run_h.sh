@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session H: the byte-transpose fix of the e5m2 tiles, FP8 benchmark, full-step time with ANVIL graphs.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 echo "=== GPU tests: FP8 + ANVIL"
 timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_fp8_layouts.py tests/test_fp8.py \
     tests/test_fp8_training.py tests/test_anvil.py > $OUT/gpu_tests.log 2>&1; echo "rc=$?"

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # GPU session K: the full speedrun_1gpu recipe through main.py, as a 24-step miniature (notes/gpu_smoke.yaml).
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-export TIKTOKEN_CACHE_DIR=$PWD/.device/tiktoken
+. notes/device_env.sh || exit 1
 ( timeout 300 python3 main.py fit --config configs/speedrun_1gpu.yaml --config notes/gpu_smoke.yaml \
     --trainer.enable_progress_bar false ) > $OUT/smoke.log 2>&1; echo "rc=$?"
 grep -iE "error|warn|speedrun|Traceback" $OUT/smoke.log | grep -v "UserWarning: The given NumPy" | head -20
