@@ -22,13 +22,7 @@ from nanogpt_pl.optim.polar import ANVIL_MAPS
 SEEDS = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls on a shared 2-core machine run faster without intra-op threads
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_params(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

@@ -19,12 +19,7 @@ from nanogpt_pl.optim.adam import DistAdam, row_range
 SEEDS = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(seed: int, dtype=torch.float32) -> list[torch.nn.Parameter]:

@@ -34,13 +34,7 @@ SEEDS = range(6)
 EXACT = P.envelope_grid(points=20_001)  # the composite map's range on [3e-3, 1/1.05], float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls on a shared 2-core machine run faster without intra-op threads
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def controlled(shape: tuple[int, ...], gen: torch.Generator, min_normalized: float) -> torch.Tensor:
