@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from nanogpt_pl.data.loader import LONG_DOCUMENTS, TrainStream, ValidationSet
+from nanogpt_pl.data.loader import TrainStream, ValidationSet, check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
 from nanogpt_pl.data.tokenizer import VOCAB_SIZE
 from nanogpt_pl.schedule import Schedule
@@ -65,9 +65,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             raise ValueError(f"data.prefetch must be >= 1, got {prefetch}")
         if epochs < 1:
             raise ValueError(f"data.epochs must be >= 1, got {epochs}")
-        if long_documents not in LONG_DOCUMENTS:
-            raise ValueError(f"data.long_documents={long_documents!r}: choose one of {list(LONG_DOCUMENTS)}")
-        self.long_documents = long_documents
+        self.long_documents = check_long_documents(long_documents)
         self.save_hyperparameters(ignore=["schedule"])
         self.train_files = train_files
         self.val_files = val_files

@@ -227,10 +227,17 @@ class StepPlan:
     lengths: list  # per slice: int64 array of piece lengths (sum seq_len + 1)
     cursor: Cursor  # where this step started
     next_cursor: Cursor
-    cut: list = None  # per slice: tokens its documents lost to max_doc_len
+    cut: list  # per slice: tokens its documents lost to max_doc_len
 
 
 LONG_DOCUMENTS = ("truncate", "error")
+
+
+def check_long_documents(value: str) -> str:
+    """``value`` if it is a ``data.long_documents`` choice, else a ValueError naming the option."""
+    if value not in LONG_DOCUMENTS:
+        raise ValueError(f"data.long_documents={value!r}: choose one of {list(LONG_DOCUMENTS)}")
+    return value
 
 
 class DocumentTooLongError(ValueError):
@@ -256,12 +263,12 @@ def plan_slices(
         while True:
             hi = min(pos + window, n_bos)
             starts = shard.bos[pos:hi]
-            lengths = np.minimum(shard.doc_end[pos:hi] - starts, max_doc_len)
+            full = shard.doc_end[pos:hi] - starts
+            lengths = np.minimum(full, max_doc_len)
             cum = np.cumsum(lengths)
             if cum.size and cum[-1] >= need:
                 k = int(np.searchsorted(cum, need))  # first piece that completes the slice
-                full = shard.doc_end[pos:pos + k + 1] - starts[: k + 1]
-                over = np.maximum(full - max_doc_len, 0)
+                over = full[: k + 1] - lengths[: k + 1]
                 if long_documents == "error" and over.any():
                     i = int(np.flatnonzero(over)[0])
                     at = f" at step {step}" if step is not None else ""
@@ -294,9 +301,7 @@ class DocumentWalker:
                  long_documents: str = "truncate"):
         if epochs < 1:
             raise ValueError(f"data.epochs must be >= 1, got {epochs}")
-        if long_documents not in LONG_DOCUMENTS:
-            raise ValueError(f"data.long_documents={long_documents!r}: choose one of {LONG_DOCUMENTS}")
-        self.long_documents = long_documents
+        self.long_documents = check_long_documents(long_documents)
         self.shards = shards
         self.schedule = schedule
         self.world_size = world_size
@@ -556,7 +561,7 @@ class TrainStream:
         split = self.schedule.attention_split(plan.step)
         return [
             build_micro_batch(plan.shard, plan.starts[i], plan.lengths[i], plan.seq_len, plan.step, split,
-                              self.pin_memory, plan.cut[i] if plan.cut else 0)
+                              self.pin_memory, plan.cut[i])
             for i in range(self.rank, len(plan.starts), self.world_size)
         ]
 

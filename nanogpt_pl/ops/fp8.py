@@ -147,6 +147,7 @@ class _Emulated:
 
     name = "emulated"
     row_align = 1
+    fused_refresh = False  # Fp8MLPState refreshes through the PyTorch ops (the reference)
 
     def quant(self, src: Tensor, inv_scale: Tensor, dtype: torch.dtype, rows_out: int,
               want_row: bool = True, want_t: bool = True) -> tuple[Tensor, Tensor]:
@@ -207,12 +208,12 @@ class _Fast:
     # Fp8MLPState refreshes through the two methods below (see Fp8MLPState._refresh_fused).
     fused_refresh = True
 
-    def quant_weight_into(self, w: Tensor, inv_scale: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``quant_weight``, with max |w| folded into the 1-element ``amax`` (atomic max)."""
+    def quant_weight_into(self, w: Tensor, inv_scale: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
+        """``quant_weight``'s two copies, with max |w| folded into the 1-element ``amax`` (atomic max)."""
         from .triton.fp8_quant import quantize_dual
 
         row, col, _ = quantize_dual(w, inv_scale, E4M3, amax_into=amax)
-        return row, col, amax
+        return row, col
 
     def refresh_scales(self, state: Any, exact: bool) -> None:
         from .triton.fp8_mlp import mlp_refresh_scales
@@ -608,7 +609,7 @@ class Fp8MLPState(_Fp8State):
         self._check_recomputed(w_proj)
         self._follow_device(w_fc.device)
         exact = self._refreshes < self.exact_weight_refreshes
-        if getattr(kern, "fused_refresh", False):
+        if kern.fused_refresh:
             caches = self._refresh_fused(w_fc.detach(), w_proj.detach(), exact, kern)
         else:
             caches = []
@@ -642,7 +643,7 @@ class Fp8MLPState(_Fp8State):
             for w, amax in ((w_fc, self.w1_amax), (w_proj, self.w2_amax)):
                 amax.copy_(w.abs().amax())
         kern.refresh_scales(self, exact)
-        return [_WeightCache(*kern.quant_weight_into(w, inv, amax)[:2])
+        return [_WeightCache(*kern.quant_weight_into(w, inv, amax))
                 for w, inv, amax in ((w_fc, self._w1_inv, self.w1_amax), (w_proj, self._w2_inv, self.w2_amax))]
 
 
