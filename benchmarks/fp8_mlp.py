@@ -237,8 +237,6 @@ def mlp_rows(table: Table, n: int, warmup: int, iters: int, compile_baseline: bo
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             table.add("MLP", "torchao float8", None, None, "-", base_ms, f"failed: {type(e).__name__}")
-    del x, w1, w2, g
-    torch.cuda.empty_cache()
 
 
 def head_gemm_rows(table: Table, n: int, warmup: int, iters: int) -> None:
@@ -302,8 +300,6 @@ def head_gemm_rows(table: Table, n: int, warmup: int, iters: int) -> None:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             table.add("lm_head GEMMs", "torchao float8", None, None, "-", base_ms, f"failed: {type(e).__name__}")
-    del x, w, g_chunk
-    torch.cuda.empty_cache()
 
 
 def head_loss_rows(table: Table, n: int, warmup: int, iters: int) -> None:
@@ -374,6 +370,7 @@ def main() -> None:
             section()
         except Exception:  # noqa: BLE001  (keep the rows measured so far)
             traceback.print_exc()
+        torch.cuda.empty_cache()  # each section's tensors are freed when it returns
     print()
     table.print()
     for group in ("MLP", "MLP [CUDA graph]"):

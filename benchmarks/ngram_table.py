@@ -207,7 +207,8 @@ def part_table(args, tokens: np.ndarray) -> None:
     print(f"T = {T:,} tokens per step, {what}, value embeddings on the sparse path, "
           f"lazy row Adam every {CADENCE} steps; mean of {steps} steps after {warmup} warmup")
     print(f"model + activations without the table: {model_peak:.1f} GiB; device {total:.1f} GiB; "
-          f"largest table = ({total:.1f} - {model_peak:.1f} - {MEMORY_RESERVE_GIB} reserve) GiB / {ROW_BYTES} B per row "
+          f"largest table = ({total:.1f} - {model_peak:.1f} - {MEMORY_RESERVE_GIB} reserve) GiB "
+          f"/ {ROW_BYTES} B per row "
           f"= {fit:,} rows")
     print(f"{'rows':>14} {'table GiB':>10} {'step ms':>9} {'sparse ms':>10} {'peak GiB':>9} {'step / 1M':>10}")
     base = results[0]["step_ms"]

@@ -106,7 +106,6 @@ def optimizer_row(name: str, build: Callable[[], tuple[torch.optim.Optimizer, li
         step[0] += 1
 
     median, p90, peak = time_fn(run, warmup, steps)
-    del opt, params
     return dict(name=name, median=median, p90=p90, peak=peak)
 
 

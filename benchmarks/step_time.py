@@ -82,8 +82,9 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     sched = dict(cfg.get("schedule") or {})
     stages = sched.get("stages")
     if not stages:
-        from nanogpt_pl.schedule import _record_stages
         import dataclasses
+
+        from nanogpt_pl.schedule import _record_stages
 
         stages = [dataclasses.asdict(s) for s in _record_stages()]
     st = dict(stages[stage])

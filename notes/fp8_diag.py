@@ -1,5 +1,6 @@
 """GPU diagnosis: which FP8 buffer disagrees with its transpose / reference (poisoned allocator)."""
 import torch
+
 from nanogpt_pl.ops import fp8 as F8
 from nanogpt_pl.ops.triton import fp8_mlp as K
 from nanogpt_pl.ops.triton.fp8_quant import quantize_dual

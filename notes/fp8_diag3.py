@@ -3,7 +3,6 @@
 import torch
 
 from benchmarks.gpu_timing import time_cuda
-
 from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize
 from nanogpt_pl.ops.triton.fp8_quant import quantize_dual
 

@@ -19,7 +19,6 @@ from callbacks.ema import TailAveraging, TailTrack  # noqa: E402
 from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps  # noqa: E402
 from nanogpt_pl.schedule import Schedule  # noqa: E402
 
-
 # -- tail averaging against a plain reference ------------------------------------------------
 
 class _Model(torch.nn.Module):

@@ -6,7 +6,6 @@ test_cross_entropy_gpu.py (real sizes).
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np

@@ -122,8 +122,7 @@ def test_extreme_logits_nan_free_at_scale():
 
 
 def test_fp8_logits_and_e5m2_gradient_buffer():
-    from nanogpt_pl.ops.cross_entropy import (SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH,
-                                              softcap_ce_rows_reference)
+    from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH, softcap_ce_rows_reference
     from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
 
     g = torch.Generator(device="cuda").manual_seed(4)

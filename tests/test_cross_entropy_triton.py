@@ -12,10 +12,8 @@ so fp8 *gradient output* is checked on the GPU only (test_cross_entropy_gpu.py);
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 SEEDS = (0, 1, 2)

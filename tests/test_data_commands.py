@@ -34,7 +34,8 @@ def test_help_and_usage(capsys):
 def test_prepare_command(tmp_path, capsys):
     rng = np.random.default_rng(3)
     src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"document {i}: " + "x" * int(rng.integers(1, 80))}) + "\n" for i in range(60)))
+    docs = (json.dumps({"text": f"document {i}: " + "x" * int(rng.integers(1, 80))}) for i in range(60))
+    src.write_text("".join(d + "\n" for d in docs))
     out = tmp_path / "shards"
     rc = main(["prepare", str(src), "-o", str(out), "--name", "mine", "--val-documents", "6",
                "--shard-tokens", "300", "--workers", "1", "--no-progress"])

@@ -17,6 +17,7 @@ from data_fixtures import FakeHub, random_documents  # noqa: E402
 from nanogpt_pl.data import fineweb  # noqa: E402
 from nanogpt_pl.data.shards import ShardError, read_header, write_shard  # noqa: E402
 
+
 def _shard_bytes(tmp: Path, name: str, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     path = write_shard(tmp / "src" / name, np.concatenate(random_documents(rng, 40, 30)))

@@ -451,7 +451,8 @@ def test_validation_spans_shards(tmp_path):
 
 def test_validation_errors(tmp_path):
     path, tokens = _val_shard(tmp_path, 300, n_docs=20)
-    with pytest.raises(ValueError, match=r"data.val_tokens=1000 is not a multiple of world_size 2 x data.val_seq_len 128"):
+    msg = r"data.val_tokens=1000 is not a multiple of world_size 2 x data.val_seq_len 128"
+    with pytest.raises(ValueError, match=msg):
         ValidationSet(str(path), 1000, 128, 2, 0)
     big = (len(tokens) // 256 + 2) * 256
     with pytest.raises(ShardError, match=r"holds only \d+; lower data.val_tokens to \d+"):

@@ -101,7 +101,8 @@ def test_parquet(tmp_path):
 def test_errors(tmp_path):
     src = tmp_path / "a.jsonl"
     src.write_text(json.dumps({"text": "hello"}) + "\n" + json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"a.jsonl:2: no 'text' field \(found \['content'\]\); choose the field with --text-field"):
+    msg = r"a.jsonl:2: no 'text' field \(found \['content'\]\); choose the field with --text-field"
+    with pytest.raises(ValueError, match=msg):
         prepare([str(src)], str(tmp_path / "o"), workers=1, progress=False)
     assert not list((tmp_path / "o").glob("*.bin"))  # nothing half-written is left behind
     with pytest.raises(FileNotFoundError, match="matches no"):

@@ -498,7 +498,8 @@ def compare_mlp_lockstep(state_a: Fp8MLPState, state_b: Fp8MLPState, x0: torch.T
     be folded), so both run the step on the same scales. Checked per step: y, dx, dw1, dw2 within
     ``bound`` of each other and finite; the scales the step used identical; the amaxes the step
     measured (the next step's delayed scales) within POST_AMAX_BOUND / DPRE_AMAX_BOUND.
-    ("Identical" scales: to one ulp, see below.) Comparing two free-running trajectories instead would test whether a single element's
+    ("Identical" scales: to one ulp, see below.) Comparing two free-running trajectories instead would test
+    whether a single element's
     rounding lands on the same side in both paths (see DPRE_AMAX_BOUND).
 
     Returns:

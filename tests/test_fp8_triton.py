@@ -13,11 +13,9 @@ are exact wherever the arithmetic is the same.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 SEEDS = (0, 1, 2)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanogpt_pl.distributed.ngram_shard import (
     RANK_LOCAL_KEY,

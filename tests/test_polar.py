@@ -122,7 +122,8 @@ def test_reference_kernels(seed: int) -> None:
     torch.testing.assert_close(P.gram_reference(x), torch.einsum("bik,bjk->bij", x, x))
     torch.testing.assert_close(P.gram_reference(x, transpose=True), torch.einsum("bki,bkj->bij", x, x))
     a = P.gram_reference(x)
-    torch.testing.assert_close(P.poly_square_reference(a, -2.5, 1.5), -2.5 * a + 1.5 * torch.einsum("bij,bjk->bik", a, a))
+    torch.testing.assert_close(P.poly_square_reference(a, -2.5, 1.5),
+                               -2.5 * a + 1.5 * torch.einsum("bij,bjk->bik", a, a))
     torch.testing.assert_close(P.matmul_add_reference(a, x, x, 3.0), 3.0 * x + torch.einsum("bij,bjk->bik", a, x))
     torch.testing.assert_close(P.poly_square_reference(a[0], 2.0, -1.0), 2.0 * a[0] - a[0] @ a[0])
 

@@ -41,15 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="data", help="shard name prefix: NAME_val_000000.bin, NAME_train_000001.bin, ...")
     p.add_argument("--shard-tokens", type=int, default=prepare_mod.DEFAULT_SHARD_TOKENS, help="tokens per shard")
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--val-documents", type=int, default=None, help="the first N documents form the validation split")
+    split.add_argument("--val-documents", type=int, default=None,
+                       help="the first N documents form the validation split")
     split.add_argument(
         "--val-fraction", type=float, default=None,
-        help=f"this fraction of the documents, spread evenly, forms the validation split (default {prepare_mod.DEFAULT_VAL_FRACTION})",
+        help="this fraction of the documents, spread evenly, forms the validation split "
+        f"(default {prepare_mod.DEFAULT_VAL_FRACTION})",
     )
     p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     p.add_argument(
         "--txt-separator", default=None,
-        help=r"split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n'); default: one document per file",
+        help=r"split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n'); "
+        "default: one document per file",
     )
     p.add_argument("--workers", type=int, default=prepare_mod.DEFAULT_WORKERS, help="tokenizer processes")
     p.add_argument("--overwrite", action="store_true", help="replace existing NAME_* shards in the output directory")

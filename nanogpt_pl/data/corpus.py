@@ -241,7 +241,8 @@ def build_corpus(
         if info is not None:
             return info
     if progress:
-        print(f"building the quickstart corpus from Python {sys.version.split()[0]}'s documentation...", file=sys.stderr)
+        version = sys.version.split()[0]
+        print(f"building the quickstart corpus from Python {version}'s documentation...", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
     try:

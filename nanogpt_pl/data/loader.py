@@ -273,7 +273,8 @@ def plan_slices(
                     i = int(np.flatnonzero(over)[0])
                     at = f" at step {step}" if step is not None else ""
                     raise DocumentTooLongError(
-                        f"{shard.path}: the document at token {int(starts[i]):,} has {int(full[i]):,} tokens, more than "
+                        f"{shard.path}: the document at token {int(starts[i]):,} has {int(full[i]):,} tokens, "
+                        "more than "
                         f"the schedule's max_doc_len of {max_doc_len:,}{at}, and data.long_documents is 'error'. "
                         f"Set data.long_documents: truncate (the record's rule: keep its first max_doc_len tokens), "
                         f"raise max_doc_len in schedule.stages, or split long documents when preparing the data")

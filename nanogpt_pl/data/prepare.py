@@ -59,8 +59,10 @@ class PrepareResult:
 
     def summary(self) -> str:
         lines = [
-            f"validation: {self.val_documents:,} documents, {self.val_tokens:,} tokens in {len(self.val_paths)} shard(s)",
-            f"training:   {self.train_documents:,} documents, {self.train_tokens:,} tokens in {len(self.train_paths)} shard(s)",
+            f"validation: {self.val_documents:,} documents, {self.val_tokens:,} tokens "
+            f"in {len(self.val_paths)} shard(s)",
+            f"training:   {self.train_documents:,} documents, {self.train_tokens:,} tokens "
+            f"in {len(self.train_paths)} shard(s)",
         ]
         if self.skipped_empty:
             lines.append(f"skipped {self.skipped_empty:,} empty documents")
@@ -110,7 +112,8 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
-def iter_documents(paths: Iterable[Path], text_field: str = "text", txt_separator: Optional[str] = None) -> Iterator[str]:
+def iter_documents(paths: Iterable[Path], text_field: str = "text",
+                   txt_separator: Optional[str] = None) -> Iterator[str]:
     """The documents of the input files, in order (see the module docstring for the formats)."""
     for path in paths:
         kind = _suffix(path)
@@ -133,7 +136,8 @@ def iter_documents(paths: Iterable[Path], text_field: str = "text", txt_separato
                     if not isinstance(obj, dict) or text_field not in obj:
                         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                         raise ValueError(
-                            f"{path}:{lineno}: no {text_field!r} field (found {keys}); choose the field with --text-field"
+                            f"{path}:{lineno}: no {text_field!r} field (found {keys}); "
+                            "choose the field with --text-field"
                         )
                     value = obj[text_field]
                     if not isinstance(value, str):
@@ -195,7 +199,8 @@ def _batches(docs: Iterable[str], counter: dict) -> Iterator[list[str]]:
         yield batch
 
 
-def tokenize_documents(docs: Iterable[str], workers: int = 1, counter: Optional[dict] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def tokenize_documents(docs: Iterable[str], workers: int = 1,
+                       counter: Optional[dict] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded batches of documents, in input order; ``workers > 1`` uses that many processes."""
     counter = counter if counter is not None else {"empty": 0}
     batches = _batches(docs, counter)

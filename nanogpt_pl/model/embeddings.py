@@ -142,7 +142,8 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
     x1, x2 = _shift(x, 1), _shift(x, 2)
     mask = SIGN_ROWS - 1
     big = (_mul32(SIGN_BIGRAM_MUL_PREV, x1) ^ _mul32(SIGN_BIGRAM_MUL_CUR, x)) & mask
-    tri = (_mul32(SIGN_TRIGRAM_MUL_PREV2, x2) ^ _mul32(SIGN_TRIGRAM_MUL_PREV, x1) ^ _mul32(SIGN_TRIGRAM_MUL_CUR, x)) & mask
+    tri = (_mul32(SIGN_TRIGRAM_MUL_PREV2, x2) ^ _mul32(SIGN_TRIGRAM_MUL_PREV, x1)
+           ^ _mul32(SIGN_TRIGRAM_MUL_CUR, x)) & mask
     big[:1] = 0
     tri[:2] = 0
     return torch.stack([big, tri])

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import packed_attention, resolve_backend, segment_positions
-from .mlp import FC_INIT_GAIN, MLP
 from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
+from .mlp import FC_INIT_GAIN, MLP
 from .rotary import Rotary, apply_rotary
 
 QK_NORM_EPS = 1.1920929e-7  # RECORD §2: per-head RMS norm of Q and K, eps = float32 machine epsilon

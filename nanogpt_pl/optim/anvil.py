@@ -277,7 +277,8 @@ class _Bank:
         return out
 
     def meta(self) -> dict:
-        return {"group": self.group, "rows": self.rows, "cols": self.cols, "dtype": str(self.dtype).replace("torch.", ""),
+        return {"group": self.group, "rows": self.rows, "cols": self.cols,
+                "dtype": str(self.dtype).replace("torch.", ""),
                 "count": self.count}
 
 

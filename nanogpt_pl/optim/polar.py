@@ -177,7 +177,8 @@ def random_with_singular_values(
     return (u * sigma.double()) @ v.T
 
 
-def envelope_grid(maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS, points: int = 200_001) -> tuple[float, float]:
+def envelope_grid(maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS,
+                  points: int = 200_001) -> tuple[float, float]:
     """(min, max) of the composite map on σ ∈ [ENVELOPE_SIGMA_MIN, 1/NORM_MARGIN] (float64 grid)."""
     s = torch.linspace(ENVELOPE_SIGMA_MIN, 1 / NORM_MARGIN, points, dtype=torch.float64)
     out = composite_map(s, maps)

@@ -63,7 +63,8 @@ class LazyRowAdam:
         dtype: dtype of the second moment and of the update arithmetic (fp32; fp64 in tests).
     """
 
-    def __init__(self, num_rows: int, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, num_rows: int, device: Optional[torch.device] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.v = torch.zeros(num_rows, dtype=dtype, device=device)
         # int32 as in the record: 4 bytes per row (42 MB for a record-size shard).
