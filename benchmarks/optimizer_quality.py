@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanogpt_pl.data.corpus import build_corpus, stdlib_sources  # noqa: E402
-from nanogpt_pl.data.loader import pack_cu_seqlens  # noqa: E402
+from nanogpt_pl.data.planning import pack_cu_seqlens  # noqa: E402
 from nanogpt_pl.data.shards import open_shard  # noqa: E402
 from nanogpt_pl.model.gpt import GPT, GPTConfig  # noqa: E402
 from nanogpt_pl.ops.cross_entropy import full_cross_entropy, lm_head_loss  # noqa: E402

@@ -13,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from data_fixtures import random_documents, small_schedule, write_random_shards  # noqa: E402
 
-from nanogpt_pl.data.loader import TrainStream, ValidationSet, iter_steps  # noqa: E402
 from nanogpt_pl.data.shards import write_shard  # noqa: E402
+from nanogpt_pl.data.stream import TrainStream, iter_steps  # noqa: E402
+from nanogpt_pl.data.validation import ValidationSet  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
