@@ -38,7 +38,7 @@ def test_validation_too_small_advice_works(tmp_path, seed):
     path = write_shard(tmp_path / f"v{seed}_val_000000.bin", tokens)
     world = int(rng.integers(1, 4))
     for seq_len in (16, 1024):  # the second is longer than the whole validation split
-        val_tokens = world * seq_len * 8
+        val_tokens = world * seq_len * 32  # more than the shard holds
         with pytest.raises(ShardError) as err:
             ValidationSet(str(path), val_tokens, seq_len, world, 0, pin_memory=False)
         msg = str(err.value)

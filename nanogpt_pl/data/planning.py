@@ -310,13 +310,27 @@ class DocumentWalker:
         if max_doc_len <= 0:
             raise ValueError(f"schedule: max_doc_len must be positive at step {step}, got {max_doc_len}")
         c = cursor
+        no_bos: list[Path] = []  # shards walked that hold no document at all
         while c.shard < len(self.shards) * self.epochs:
             shard = self.shards.get(c.shard % len(self.shards))
             cut = plan_slices(shard, c.bos, n_slices, seq_len, max_doc_len, self.long_documents, step)
             if cut is not None:
                 starts, lengths, pos, dropped = cut
                 return StepPlan(step, seq_len, shard, starts, lengths, c, Cursor(c.shard, pos), dropped)
+            if shard.bos.size == 0:
+                no_bos.append(shard.path)
             c = Cursor(c.shard + 1, 0)
+        walked = min(c.shard - cursor.shard, len(self.shards))
+        if no_bos and len(set(no_bos)) >= walked:  # every shard walked lacks documents: that is the cause
+            others = len(set(no_bos)) - 1
+            raise ShardError(
+                f"{no_bos[0]}: no BOS token {BOS_ID} (<|endoftext|>)"
+                + (f" (nor in {others} more shard(s) of {self.shards.option})" if others else "")
+                + f", so there is no document to start step {step} at: it was not written by `nanogpt-pl data "
+                f"prepare` (GPT-2 tokens, each document starting with {BOS_ID}); make the shards with "
+                f"`nanogpt-pl data prepare`"
+            )
+        self._check_step_fits(step, n_slices, seq_len)
         passes = f" in {self.epochs} passes (data.epochs)" if self.epochs > 1 else ""
         served = f"steps 0..{step - 1} were served" if step > 0 else "not one step could be served"
         raise DataExhaustedError(
@@ -326,4 +340,24 @@ class DocumentWalker:
             f"`nanogpt-pl data fineweb --train-shards N` with a larger N, or more text through "
             f"`nanogpt-pl data prepare`), train fewer steps (--trainer.max_steps, schedule.stages), or "
             f"repeat the data explicitly with data.epochs; it is never repeated silently."
+        )
+
+
+    def _check_step_fits(self, step: int, n_slices: int, seq_len: int) -> None:
+        """Name the real cause when a step needs more tokens than any one shard holds."""
+        need = n_slices * (seq_len + 1)
+        total, largest = self.shards.total_tokens, max(self.shards.sizes)
+        if need <= largest:
+            return
+        shape = (f"step {step} needs {need:,} tokens ({n_slices} sequence(s) of schedule seq_len {seq_len:,} + 1, "
+                 f"batch_tokens {self.schedule.batch_tokens(step):,})")
+        lower = "lower batch_tokens or seq_len in schedule.stages"
+        if need > total:
+            raise DataExhaustedError(
+                f"{shape}, but the whole training set ({self.shards.option}, {len(self.shards)} shard(s)) has "
+                f"{total:,} tokens: {lower}, or add data"
+            )
+        raise DataExhaustedError(
+            f"{shape}, but a step is cut from one shard and the largest shard of {self.shards.option} has "
+            f"{largest:,} tokens: {lower}, or prepare larger shards (`nanogpt-pl data prepare --shard-tokens`)"
         )

@@ -68,11 +68,9 @@ class ValidationSet:
             if have == need:
                 break
         if have < need:
-            usable = (have - 1) // per_batch * per_batch
             raise ShardError(
-                f"data.val_tokens={val_tokens} needs {need} tokens but {option} ({len(paths)} shard(s)) holds "
-                f"only {have}; lower data.val_tokens to {usable} or less (a multiple of {per_batch}) or add "
-                f"validation data"
+                f"data.val_tokens={val_tokens} needs {need} tokens but {option} ({', '.join(map(str, paths))}) "
+                f"holds only {have}; {_smaller_validation(have - 1, world_size, val_seq_len)}"
             )
         self.tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.paths = paths
@@ -104,3 +102,18 @@ class ValidationSet:
     def __iter__(self) -> Iterator[MicroBatch]:
         return (self.batch(i) for i in range(len(self)))
 
+
+
+def _smaller_validation(usable: int, world_size: int, val_seq_len: int) -> str:
+    """A fix for validation shards that hold only ``usable`` input tokens (one more is the last target)."""
+    per_batch = world_size * val_seq_len
+    if usable >= per_batch:
+        tokens = usable // per_batch * per_batch
+        return (f"lower data.val_tokens to {tokens} or less (a multiple of {per_batch}): "
+                f"set data.val_tokens: {tokens}, or add validation data")
+    seq_len = usable // world_size
+    if seq_len < 1:
+        return f"add validation data (a batch needs at least {world_size + 1} tokens on {world_size} rank(s))"
+    # even one batch of val_seq_len per rank does not fit: shorten the sequences too
+    return (f"one batch needs world_size {world_size} x data.val_seq_len {val_seq_len} + 1 tokens; "
+            f"set data.val_tokens: {world_size * seq_len} and data.val_seq_len: {seq_len}, or add validation data")
