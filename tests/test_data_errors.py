@@ -43,7 +43,7 @@ def test_validation_too_small_advice_works(tmp_path, seed):
             ValidationSet(str(path), val_tokens, seq_len, world, 0, pin_memory=False)
         msg = str(err.value)
         assert "\n" not in msg and str(path) in msg
-        got = re.search(r"set data\.val_tokens: (\d+)(?: and data\.val_seq_len: (\d+))?", msg)
+        got = re.search(r"lower data\.val_tokens to (\d+)(?: and data\.val_seq_len to (\d+))?", msg)
         assert got, msg
         fixed_tokens = int(got.group(1))
         fixed_seq = int(got.group(2)) if got.group(2) else seq_len
@@ -56,7 +56,7 @@ def test_validation_with_fewer_tokens_than_ranks_says_add_data(tmp_path):
     path = write_shard(tmp_path / "tiny_val_000000.bin", np.array([BOS, 5, 6], dtype=np.uint16))
     with pytest.raises(ShardError, match=r"tiny_val_000000.bin.*add validation data") as err:
         ValidationSet(str(path), 64, 16, 4, 0, pin_memory=False)
-    assert "data.val_tokens: 0" not in str(err.value)
+    assert "data.val_tokens to 0" not in str(err.value)
 
 
 def test_shard_without_bos_names_the_shard_not_epochs(tmp_path):

@@ -121,7 +121,7 @@ def iter_documents(paths: Iterable[Path], text_field: str = "text", txt_separato
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from e
                     if not isinstance(obj, dict) or text_field not in obj:
                         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                         raise ValueError(
@@ -130,7 +130,10 @@ def iter_documents(paths: Iterable[Path], text_field: str = "text", txt_separato
                         )
                     value = obj[text_field]
                     if not isinstance(value, str):
-                        raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text")
+                        raise ValueError(
+                            f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text; "
+                            "choose the text field with --text-field"
+                        )
                     yield value
         elif kind == ".parquet":
             try:

@@ -308,7 +308,9 @@ class DocumentWalker:
         n_slices = self.slices_per_step(step)
         max_doc_len = self.schedule.max_doc_len(step)
         if max_doc_len <= 0:
-            raise ValueError(f"schedule: max_doc_len must be positive at step {step}, got {max_doc_len}")
+            raise ValueError(
+                f"schedule.stages: max_doc_len must be positive, got {max_doc_len} at step {step}; set it in that stage"
+            )
         c = cursor
         no_bos: list[Path] = []  # shards walked that hold no document at all
         while c.shard < len(self.shards) * self.epochs:

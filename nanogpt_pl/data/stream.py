@@ -330,7 +330,10 @@ class TrainStream:
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved step, with the data that step would have had."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"training stream state has format {state.get('format')!r}, expected {STATE_FORMAT}")
+            raise ValueError(
+                f"the checkpoint's training stream state has format {state.get('format')!r}, not {STATE_FORMAT}: "
+                "it was saved by another version of nanogpt-pl; resume it with that version, or start from its weights"
+            )
         step, cursor = int(state["step"]), Cursor(int(state["shard"]), int(state["bos"]))
         names = self._names_through(cursor.shard)
         if list(state["shards"]) != names:

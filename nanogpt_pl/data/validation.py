@@ -13,6 +13,8 @@ from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, check_vocab, list
 from nanogpt_pl.data.tokenizer import VOCAB_SIZE
 
 MicroBatch = dict
+# a suggested shorter val_seq_len is rounded down to this, so kernels see familiar shapes
+SEQ_LEN_MULTIPLE = 128
 
 
 class ValidationSet:
@@ -68,9 +70,10 @@ class ValidationSet:
             if have == need:
                 break
         if have < need:
+            where = f"{paths[0]}" + (f" and {len(paths) - 1} more" if len(paths) > 1 else "")
             raise ShardError(
-                f"data.val_tokens={val_tokens} needs {need} tokens but {option} ({', '.join(map(str, paths))}) "
-                f"holds only {have}; {_smaller_validation(have - 1, world_size, val_seq_len)}"
+                f"data.val_tokens={val_tokens} needs {need} tokens but {option} ({where}) holds only {have}; "
+                f"{_smaller_validation(have - 1, world_size, val_seq_len)}"
             )
         self.tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.paths = paths
@@ -108,12 +111,13 @@ def _smaller_validation(usable: int, world_size: int, val_seq_len: int) -> str:
     """A fix for validation shards that hold only ``usable`` input tokens (one more is the last target)."""
     per_batch = world_size * val_seq_len
     if usable >= per_batch:
-        tokens = usable // per_batch * per_batch
-        return (f"lower data.val_tokens to {tokens} or less (a multiple of {per_batch}): "
-                f"set data.val_tokens: {tokens}, or add validation data")
+        return (f"lower data.val_tokens to {usable // per_batch * per_batch} (a multiple of world_size {world_size} "
+                f"x data.val_seq_len {val_seq_len}), or add validation data")
     seq_len = usable // world_size
+    if seq_len >= SEQ_LEN_MULTIPLE:
+        seq_len -= seq_len % SEQ_LEN_MULTIPLE
     if seq_len < 1:
-        return f"add validation data (a batch needs at least {world_size + 1} tokens on {world_size} rank(s))"
-    # even one batch of val_seq_len per rank does not fit: shorten the sequences too
-    return (f"one batch needs world_size {world_size} x data.val_seq_len {val_seq_len} + 1 tokens; "
-            f"set data.val_tokens: {world_size * seq_len} and data.val_seq_len: {seq_len}, or add validation data")
+        return f"add validation data (one batch needs at least {world_size + 1} tokens on {world_size} rank(s))"
+    # not even one batch of val_seq_len per rank fits: shorten the sequences too
+    return (f"one batch needs world_size {world_size} x data.val_seq_len {val_seq_len} + 1 tokens; lower "
+            f"data.val_tokens to {world_size * seq_len} and data.val_seq_len to {seq_len}, or add validation data")
