@@ -23,7 +23,8 @@ from torch import Tensor
 
 from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
 from .model.gpt import GPT, GPTConfig
-from .ops.cross_entropy import CandidateSampler, full_cross_entropy, lm_head_loss
+from .ops.cross_entropy import full_cross_entropy, lm_head_loss
+from .ops.sampling import CandidateSampler
 from .optim.adam import DistAdam
 from .optim.combined import CombinedOptimizer
 from .optim.sparse_adam import SparseAdam
@@ -372,7 +373,7 @@ class SpeedrunModule(L.LightningModule):
 
     def _prefix_table(self) -> Tensor:
         if getattr(self, "_prefix", None) is None:
-            from .ops.cross_entropy import build_prefix_table
+            from .data.tokenizer import build_prefix_table
 
             self._prefix = build_prefix_table(vocab_size=self.gpt_config.vocab_size)
         return self._prefix

@@ -343,8 +343,8 @@ def lm_head_loss(
     if len(mtp_weights) == 0:
         raise ValueError("lm_head_loss: mtp_weights needs at least the next-token weight, e.g. (1.0,)")
     if backend not in BACKENDS:
-        raise ValueError(f"unknown loss backend {backend!r}: set model.loss_backend (lm_head_loss's backend) "
-                         f"to one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.loss_backend (lm_head_loss's "
+                         f"backend) takes one of {', '.join(BACKENDS)}")
     if candidates is not None:
         candidates = _to_device(_check_candidates(candidates, n_classes), hidden.device)
     targets = _to_device(targets, hidden.device).long()
