@@ -232,6 +232,13 @@ def test_missing_target_and_bad_inputs_raise():
             lm_head_loss(x, w, t, backend="triton")
 
 
+
+def test_module_rejects_an_unknown_loss_backend_at_construction():
+    from nanogpt_pl.module import SpeedrunModule
+
+    with pytest.raises(ValueError, match=r"^unknown backend 'torch' .*model\.loss_backend .* auto, reference, chunked"):
+        SpeedrunModule(loss_backend="torch")
+
 # ---------------------------------------------------------------------------------------
 # Numerics
 # ---------------------------------------------------------------------------------------

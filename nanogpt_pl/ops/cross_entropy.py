@@ -36,6 +36,7 @@ __all__ = [
     "SOFTCAP_SHIFT",
     "SOFTCAP_WIDTH",
     "BACKENDS",
+    "check_backend",
     "softcap",
     "softcap_ce_rows_reference",
     "lm_head_loss",
@@ -254,6 +255,13 @@ def _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_tar
     return _check_bad(bad, loss, candidates is not None, n_classes)
 
 
+def check_backend(backend: str) -> None:
+    """Raise a one-line error naming ``model.loss_backend`` unless ``backend`` is one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.loss_backend (lm_head_loss's "
+                         f"backend) takes one of {', '.join(BACKENDS)}")
+
+
 def lm_head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -342,9 +350,7 @@ def lm_head_loss(
         mtp_weights = [float(w) for w in mtp_weights.detach().cpu().tolist()]
     if len(mtp_weights) == 0:
         raise ValueError("lm_head_loss: mtp_weights needs at least the next-token weight, e.g. (1.0,)")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.loss_backend (lm_head_loss's "
-                         f"backend) takes one of {', '.join(BACKENDS)}")
+    check_backend(backend)
     if candidates is not None:
         candidates = _to_device(_check_candidates(candidates, n_classes), hidden.device)
     targets = _to_device(targets, hidden.device).long()
