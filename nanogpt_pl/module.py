@@ -23,7 +23,8 @@ from torch import Tensor
 
 from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
 from .model.gpt import GPT, GPTConfig
-from .ops.cross_entropy import CandidateSampler, full_cross_entropy, lm_head_loss
+from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
+from .ops.sampling import CandidateSampler
 from .optim.adam import DistAdam
 from .optim.combined import CombinedOptimizer
 from .optim.sparse_adam import SparseAdam
@@ -153,7 +154,7 @@ class SpeedrunModule(L.LightningModule):
         optim: the optimizers.
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
         compile: compile the model's forward with ``torch.compile``.
-        loss_backend: ``auto``, ``reference`` or ``triton`` for the training loss kernel.
+        loss_backend: ``auto``, ``reference``, ``chunked`` or ``triton`` for the training loss kernel.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
     """
@@ -174,6 +175,7 @@ class SpeedrunModule(L.LightningModule):
         self.optim_config = optim
         self.schedule = schedule if schedule is not None else Schedule()
         self.compile = compile
+        check_backend(loss_backend)
         self.loss_backend = loss_backend
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
@@ -372,7 +374,7 @@ class SpeedrunModule(L.LightningModule):
 
     def _prefix_table(self) -> Tensor:
         if getattr(self, "_prefix", None) is None:
-            from .ops.cross_entropy import build_prefix_table
+            from .data.tokenizer import build_prefix_table
 
             self._prefix = build_prefix_table(vocab_size=self.gpt_config.vocab_size)
         return self._prefix
