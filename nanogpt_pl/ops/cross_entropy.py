@@ -25,12 +25,13 @@ Pieces, each with a plain PyTorch reference next to the fast path:
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .triton import interpret_mode
 
 __all__ = [
     "SOFTCAP_MAX",
@@ -557,7 +558,7 @@ def lm_head_loss(
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
     if backend == "triton":
-        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not hidden.is_cuda and not interpret_mode():
             raise RuntimeError(
                 "lm_head_loss: backend='triton' needs a CUDA device (hidden is on "
                 f"{hidden.device}); use backend='reference' or 'chunked' on the CPU, or set "
