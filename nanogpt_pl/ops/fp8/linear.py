@@ -35,8 +35,8 @@ class Fp8LinearState(Fp8State):
             RMSNorm outputs of width <= 784 (the record's QKV used 8/448, which clips |x| > 8).
         weight_scale: static weight scale; None = exact amax/448 at every refresh.
         grad_dtype: ``"e4m3"`` or ``"e5m2"``, format of the incoming gradient.
-        grad_scale: static dequantization scale of the incoming gradient (see the module
-            docstring on loss normalization).
+        grad_scale: static dequantization scale of the incoming gradient (see "Loss
+            normalization" in ``fp8.md``).
         backend: ``"auto"``, ``"reference"`` or ``"scaled_mm"``.
         config_key: the config option that switched this layer to FP8, named in errors.
     """

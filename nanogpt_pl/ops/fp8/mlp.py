@@ -49,7 +49,7 @@ class Fp8MLPState(Fp8State):
             ``"gemm_epilogue"`` (one Triton GEMM with the nonlinearity and quantization in
             its epilogue); ``"auto"`` = ``DEFAULT_RELU2_KERNEL``. The reference path computes
             the same values either way.
-        grad_scale: static scale of the incoming gradient (see the module docstring).
+        grad_scale: static scale of the incoming gradient (see "Loss normalization" in ``fp8.md``).
         exact_weight_refreshes: refreshes that use exact weight scales before lagging.
         config_key: the config option that switched this MLP to FP8, named in errors.
     """
