@@ -128,6 +128,34 @@ def test_linear_matches_reference_within_bound(seed, grad_dtype, shape):
     assert rel(w.grad, wr.grad) < grad_bound
 
 
+def test_record_qkv_input_scale_is_8_over_448_and_saturates_beyond_8():
+    # RECORD §7 "Attention QKV": static input scale 8/448; the quantizer clamps at ±448, so an
+    # input beyond ±8 is stored as ±448 · 8/448 = ±8, exactly as if it had been clipped first.
+    state = Fp8LinearState.for_record_qkv(backend="reference")
+    assert state.x_scale.item() == torch.tensor(8.0 / 448.0).item()
+    assert state.exact_weight_scale and state.grad_dtype == E4M3
+    assert state.grad_scale.item() == torch.tensor(1.0 / 448.0).item()
+    gen = torch.Generator().manual_seed(41)
+    n, d, o = 40, 64, 96
+    x = 4 * normed(n, d, gen)  # |x| reaches ~15: a good share of the entries saturate
+    assert (x.abs() > 8).float().mean() > 0.02
+    w0 = fc_init(o, d, gen)
+    g = 0.1 * torch.randn(n, o, generator=gen)
+    out = []
+    for xi in (x, x.clamp(-8, 8)):
+        w = torch.nn.Parameter(w0.clone())
+        y = fp8_linear(xi, w, Fp8LinearState.for_record_qkv(backend="reference"))
+        y.backward(g)
+        out.append((y.detach(), w.grad))
+    assert all(t.isfinite().all() for t in out[0])
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    # Inside ±8 the record's scale is as accurate as any other e4m3 scale.
+    xs = normed(n, d, gen).requires_grad_()
+    w = torch.nn.Parameter(w0.clone())
+    y = fp8_linear(xs, w, Fp8LinearState.for_record_qkv(backend="reference"))
+    assert rel(y, xs.detach().double() @ w.detach().double().t()) < LINEAR_OUT_BOUND
+
+
 def test_linear_row_blocks_get_their_own_gradients():
     gen = torch.Generator().manual_seed(3)
     d = 64

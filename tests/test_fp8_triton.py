@@ -269,6 +269,31 @@ def test_fast_linear_equals_reference_linear(seed, stale_memory):
 
 
 @interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fast_linear_at_the_record_qkv_scale_saturates_like_the_reference(seed, stale_memory):
+    # RECORD §7 QKV input scale 8/448: inputs beyond ±8 clamp at ±448 in both backends.
+    from nanogpt_pl.ops import fp8 as f8
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    n, d = 40, 64
+    x0 = 4 * F.rms_norm(torch.randn(n, d, generator=gen), (d,))
+    assert (x0.abs() > 8).any()
+    w0 = 0.1 * torch.randn(96, d, generator=gen)
+    g = 0.01 * torch.randn(n, 96, generator=gen)
+    res = []
+    for fast in (True, False):
+        w, x = torch.nn.Parameter(w0.clone()), x0.clone().requires_grad_()
+        state = f8.Fp8LinearState.for_record_qkv(backend="reference")
+        if fast:
+            state._kernels_override = f8._FAST
+        y = f8.fp8_linear(x, w, state)
+        y.backward(g)
+        res.append((y.detach(), x.grad, w.grad))
+    for u, v in zip(res[0], res[1]):
+        assert u.isfinite().all() and rel(u, v) < 1e-3
+
+
+@interp
 @pytest.mark.parametrize("sampled", [False, True])
 def test_fast_head_equals_reference_head(sampled, stale_memory):
     from nanogpt_pl.ops import fp8 as f8

@@ -32,7 +32,7 @@ DPRE_SCALE_BOOTSTRAP = MLP_GRAD_SCALE
 # Static scale of the incoming dQ/dK/dV (e4m3).
 QKV_GRAD_SCALE = 1.0 / 448.0
 # The record's QKV input scale, 8/448, clips |x| > 8; the default here is the clip-free
-# NORMED_X_SCALE (same inputs: RMSNorm outputs). Pass x_scale=RECORD_QKV_X_SCALE to match.
+# NORMED_X_SCALE (same inputs: RMSNorm outputs). Fp8LinearState.for_record_qkv() matches the record.
 RECORD_QKV_X_SCALE = 8.0 / 448.0
 # --- RECORD §7 "lm_head" -----------------------------------------------------------------
 HEAD_X_SCALE = 100.0 / 448.0

@@ -19,6 +19,7 @@ from .formats import (
     HEAD_X_SCALE,
     NORMED_X_SCALE,
     QKV_GRAD_SCALE,
+    RECORD_QKV_X_SCALE,
     WEIGHT_AMAX_FLOOR,
 )
 
@@ -28,7 +29,8 @@ class Fp8LinearState(Fp8State):
 
     Defaults are the record's QKV projection (RECORD §7): e4m3 input at a static scale,
     exact per-refresh weight scale, e4m3 gradient at the static scale 1/448.
-    :meth:`for_lm_head` gives the lm_head's static scales.
+    :meth:`for_lm_head` gives the lm_head's static scales, :meth:`for_record_qkv` the
+    record's QKV input scale.
 
     Args:
         x_scale: static dequantization scale of the input. Default 2⁻⁴, clip-free for
@@ -62,6 +64,12 @@ class Fp8LinearState(Fp8State):
         """The record's lm_head scales (RECORD §7): x 100/448, weight 2/448, e5m2 gradient (0.75/8)/448."""
         return cls(x_scale=HEAD_X_SCALE, weight_scale=HEAD_W_SCALE, grad_dtype="e5m2",
                    grad_scale=HEAD_GRAD_SCALE, backend=backend, config_key=config_key)
+
+    @classmethod
+    def for_record_qkv(cls, backend: str = "auto", config_key: str = "model.gpt.fp8_qkv") -> "Fp8LinearState":
+        """The record's QKV scales (RECORD §7): static input scale 8/448, so |x| > 8 saturates at
+        ±448 in e4m3 (never inf); exact weight scale over all row blocks; e4m3 gradient at 1/448."""
+        return cls(x_scale=RECORD_QKV_X_SCALE, backend=backend, config_key=config_key)
 
     @torch.no_grad()
     def cache_for(self, parts: Sequence[Tensor], kern: Any) -> WeightCache:
