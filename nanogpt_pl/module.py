@@ -240,12 +240,12 @@ class SpeedrunModule(L.LightningModule):
             if cfg.fp8_backend == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
                     "model.gpt.fp8_backend='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
-                    "use fp8_backend: emulated (or auto) on CPU"
+                    "use fp8_backend: reference (or auto) on CPU"
                 )
             if self.loss_backend == "triton":
-                import os
+                from .ops.triton import interpret_mode
 
-                if os.environ.get("TRITON_INTERPRET") != "1":
+                if not interpret_mode():
                     raise RuntimeError(
                         "model.loss_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
                         "use loss_backend: auto or reference on CPU"

@@ -78,12 +78,12 @@ def _tail(losses: list[float], k: int = 20) -> float:
 
 
 @pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning")
-def test_emulated_fp8_training_tracks_fp32_on_cpu():
-    """The same comparison on the CPU, small and short: the emulated path end to end."""
+def test_reference_fp8_training_tracks_fp32_on_cpu():
+    """The same comparison on the CPU, small and short: the reference backend end to end."""
     batches = markov_batches(steps=20, n_seq=4, seq_len=64, seed=0, device="cpu", vocab=32)
     kw = dict(num_layers=2, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128, vocab_size=MARKOV_VOCAB,
               long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None,
-              fp8_backend="emulated", attention_backend="sdpa")
+              fp8_backend="reference", attention_backend="sdpa")
     ref = train(_config(False, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
     got = train(_config(True, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
     assert ref[-1] < 0.5 * ref[0], "the reference run must learn"

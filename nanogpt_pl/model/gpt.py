@@ -58,10 +58,10 @@ class GPTConfig:
         smear: mix a gated copy of the previous token's embedding into each token's embedding.
         attn_scale: softmax scale of attention before YaRN (RECORD §2 uses 0.13 / 0.085 per width).
         attention_backend: ``auto``, ``sdpa`` (dense reference, CPU), ``varlen`` or ``flex`` (CUDA).
-        fp8_mlp: run the MLP matmuls in FP8 (CUDA, or emulated on CPU).
+        fp8_mlp: run the MLP matmuls in FP8 (CUDA, or the PyTorch reference on CPU).
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
-        fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``emulated``.
+        fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``reference`` (plain PyTorch).
         ngram_rows: rows of the hashed bigram + trigram table (RECORD §3: 84,602,880); 0 = no
             n-gram channel. The table lives outside the model (``nanogpt_pl.distributed.ngram_shard``);
             ``forward`` receives the rows a batch needs as ``ngram``.

@@ -23,13 +23,13 @@ the FP8 lm_head (RECORD §7) plugs into, are in :mod:`nanogpt_pl.ops.lm_head`.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from .lm_head import FusedLinearLoss, HeadMatmul, TorchHeadMatmul, default_chunk_rows
+from .triton import interpret_mode
 
 __all__ = [
     "SOFTCAP_MAX",
@@ -363,7 +363,7 @@ def lm_head_loss(
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
     if backend == "triton":
-        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not hidden.is_cuda and not interpret_mode():
             raise RuntimeError(
                 "lm_head_loss: backend='triton' needs a CUDA device (hidden is on "
                 f"{hidden.device}); use backend='reference' or 'chunked' on the CPU, or set "

@@ -24,11 +24,12 @@ once. Both give the same ``d`` up to bf16 rounding, well inside the envelope's m
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from ..ops.triton import triton_usable
 
 # RECORD.md §8 step 3, "ANVIL_MAPS (final)" [L360@14k]: the (a, b, c) of each quintic map
 # σ → a·σ + b·σ³ + c·σ⁵, applied in this order. The record's code says the schedule was
@@ -82,16 +83,6 @@ def matmul_add_reference(left: Tensor, right: Tensor, x: Tensor, coef_a: float) 
     return torch.baddbmm(x, left, right, beta=coef_a)
 
 
-def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``torch`` or ``triton`` for ``backend`` on ``device``; raises for an impossible choice.
 
@@ -103,7 +94,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
     if backend in ("torch", "auto"):
         return "torch"
-    usable = _triton_usable(device)
+    usable = triton_usable(device)
     if backend == "triton" and not usable:
         raise RuntimeError(
             f"backend='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to debug on CPU); "

@@ -23,16 +23,17 @@ tiles go to the tensor cores as they are.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import interpret_mode
+
 Tensor = torch.Tensor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpret_mode()  # read once: triton itself reads the variable at import
 
 
 def _configs(kind: str) -> list[triton.Config]:
