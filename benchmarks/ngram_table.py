@@ -46,7 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanogpt_pl.distributed.ngram_shard import NgramShard, SparseChannels, ValueEmbedShard  # noqa: E402
+from nanogpt_pl.distributed.ngram_shard import NgramShard  # noqa: E402
+from nanogpt_pl.distributed.sparse_channels import SparseChannels  # noqa: E402
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard  # noqa: E402
 from nanogpt_pl.model.embeddings import RECORD_NGRAM_ROWS, HashedNgramEmbedding, ngram_row_ids  # noqa: E402
 from nanogpt_pl.optim.sparse_adam import SparseAdam  # noqa: E402
 

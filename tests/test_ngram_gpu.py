@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from nanogpt_pl.distributed.ngram_shard import NgramShard, ValueEmbedShard
+from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 from nanogpt_pl.model.embeddings import HashedNgramEmbedding
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_pl.distributed.ngram_shard import (
-    RANK_LOCAL_KEY,
-    NgramShard,
-    ValueEmbedShard,
-    rank_file,
-)
+from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.side_files import RANK_LOCAL_KEY, rank_file
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 from nanogpt_pl.model.embeddings import NgramInput, ngram_row_ids, ngram_sign_rows
 from nanogpt_pl.model.gpt import GPT, GPTConfig
 
@@ -153,9 +150,9 @@ def ngram_run(files, steps: int):
 def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(toy_files, tmp_path, monkeypatch):
     from train_helpers import LossRecorder, make_trainer
 
-    import nanogpt_pl.distributed.ngram_shard as ngram_shard
+    import nanogpt_pl.distributed.side_files as side_files
 
-    monkeypatch.setattr(ngram_shard, "INLINE_STATE_LIMIT_BYTES", 0)  # force the side file at one rank
+    monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)  # force the side file at one rank
     module, data = ngram_run(toy_files, 4)
     rec = LossRecorder()
     trainer = make_trainer(tmp_path, callbacks=[rec])
@@ -190,7 +187,7 @@ def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path, monkey
     from test_cli import run_cli, toy_config
     from train_helpers import write_markov_shards
 
-    from nanogpt_pl.distributed.ngram_shard import load_rank_local
+    from nanogpt_pl.distributed.side_files import load_rank_local
 
     files = write_markov_shards(tmp_path / "toy", n_train=150_000, n_val=20_000)
     rows = 1 << 14
@@ -225,9 +222,9 @@ def test_resume_from_a_side_file_mid_cycle_gives_the_same_losses(toy_files, tmp_
     from lightning.pytorch.callbacks import ModelCheckpoint
     from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_schedule
 
-    import nanogpt_pl.distributed.ngram_shard as ngram_shard
+    import nanogpt_pl.distributed.side_files as side_files
 
-    monkeypatch.setattr(ngram_shard, "INLINE_STATE_LIMIT_BYTES", 0)  # the state goes through the side file
+    monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)  # the state goes through the side file
 
     def run():
         # sparse events at steps 0, 1 (every step), then 3, 5; step 2's gradient is queued at the checkpoint

@@ -167,6 +167,59 @@ def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor
         param[a:b].copy_((p - u).to(param.dtype))
 
 
+class ShardAdam:
+    """Adam state of one rank's block of ``planes`` tables (first and second moments, step count).
+
+    The state is allocated at the first update (fp32 ``[planes, rows, dim]`` each), so a
+    channel that never updates costs nothing.
+
+    Args:
+        planes: tables sharing the block (the value-embedding planes).
+        rows: rows of the block this rank owns.
+        dim: row width.
+        device: where the state lives.
+    """
+
+    def __init__(self, planes: int, rows: int, dim: int, device: Optional[torch.device] = None) -> None:
+        self.shape = (planes, rows, dim)
+        self.device = device
+        self.exp_avg: Optional[Tensor] = None
+        self.exp_avg_sq: Optional[Tensor] = None
+        self.step = 0
+
+    def _ensure_state(self) -> None:
+        if self.exp_avg is None:
+            self.exp_avg = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+            self.exp_avg_sq = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def update_(self, blocks: list[Tensor], plane: Tensor, rows: Tensor, grad: Tensor, lr: float,
+                betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """One Adam step of every plane's block; ``grad[i]`` belongs to row ``rows[i]`` of plane ``plane[i]``."""
+        self._ensure_state()
+        self.step += 1
+        for p, block in enumerate(blocks):
+            sel = plane == p
+            shard_adam_(block, self.exp_avg[p], self.exp_avg_sq[p], rows[sel], grad[sel], self.step, lr, betas, eps,
+                        weight_decay)
+
+    def reset_(self) -> None:
+        self.exp_avg = self.exp_avg_sq = None
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        if state["exp_avg"] is None:
+            self.exp_avg = self.exp_avg_sq = None
+        else:
+            self._ensure_state()
+            self.exp_avg.copy_(state["exp_avg"])
+            self.exp_avg_sq.copy_(state["exp_avg_sq"])
+
+
 class SparseChannel(Protocol):
     """What :class:`SparseAdam` drives: an object with parameters and an event ``step``."""
 
@@ -243,7 +296,7 @@ class SparseAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Hyperparameters of the groups and the cadence flag; the channels' rank-local state is
-        checkpointed separately (``nanogpt_pl.distributed.ngram_shard.save_rank_local``)."""
+        checkpointed separately (``nanogpt_pl.distributed.side_files.save_rank_local``)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"param_groups": groups, "cadence_engaged": self.cadence_engaged}
 
