@@ -17,7 +17,14 @@ touches, not what the table holds:
   ranks, and runs the lazy row Adam (``nanogpt_pl.optim.sparse_adam``) on exactly
   those rows.
 
-World size 1 runs the same code path without a single collective. The module creates
+World size 1 runs the same code path without a single collective.
+
+``exchange="fixed"`` runs all three without a device -> host sync (no ``torch.unique``,
+no counts read back; see ``row_exchange``): a micro-batch of T tokens asks for a
+sentinel-padded list of ``2T`` rows (its bigram and trigram rows, the most it can
+touch), the leaf keeps that shape, and the event merges the cycle's padded lists into
+one of their total length. ``reference`` (exact sizes, host-side counts) is the default;
+``sparse_channels.SparseChannels`` picks ``fixed`` with fixed leaf shapes (compiled runs). The module creates
 the shard in ``setup`` (``sparse_channels.build_sparse_channels``); its per-rank state
 goes to a checkpoint side file (``side_files``).
 """
@@ -32,7 +39,7 @@ from torch import Tensor
 
 from ..model.embeddings import NgramInput, check_ngram_rows, compact_rows, ngram_row_ids, ngram_sign_rows, padded_leaf
 from ..optim.sparse_adam import LazyRowAdam
-from .row_exchange import RowExchange, dist_world_rank, merge_compact
+from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, merge_compact_fixed, unique_fixed
 from .side_files import STATE_FORMAT
 
 
@@ -51,12 +58,18 @@ class NgramShard:
         grad_wire_dtype: dtype of gradient rows on the wire (default: the table dtype;
             the record sends bf16).
         state_dtype: dtype of the row Adam state and arithmetic.
+        exchange: ``"reference"`` (exact sizes, host-side counts) or ``"fixed"`` (fixed
+            capacity from the batch, no host sync; see the module docstring).
     """
 
     def __init__(self, ngram_rows: int, dim: int, process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None,
-                 grad_wire_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32) -> None:
+                 grad_wire_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32,
+                 exchange: str = "reference") -> None:
         check_ngram_rows(ngram_rows)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"n-gram exchange={exchange!r}: choose one of {EXCHANGES}")
+        self.fixed = exchange == "fixed"
         self.ngram_rows, self.dim = ngram_rows, dim
         self.world, self.rank = dist_world_rank(process_group)
         device = torch.device(device if device is not None else "cpu")
@@ -66,8 +79,10 @@ class NgramShard:
         self.exchange = RowExchange([r * self.rows_per_rank for r in range(self.world + 1)], process_group)
         self.start = self.exchange.start
         try:
-            # RECORD §2 "Initialization": the n-gram table starts at zero.
-            self.weight = torch.zeros(self.rows_per_rank, dim, dtype=dtype, device=device)
+            # RECORD §2 "Initialization": the n-gram table starts at zero. One scratch row past the
+            # block takes the padding of the fixed exchange (RowExchange.scratch); ``weight`` excludes it.
+            self._rows = torch.zeros(self.rows_per_rank + 1, dim, dtype=dtype, device=device)
+            self.weight = self._rows[: self.rows_per_rank]
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                 raise
@@ -87,8 +102,12 @@ class NgramShard:
 
     # -- per micro-batch -----------------------------------------------------------
     def pull(self, rows: Tensor) -> Tensor:
-        """Current values ``[U, D]`` (table dtype) of sorted unique global ``rows``. Collective."""
-        return self.exchange.pull(rows.to(self.device), lambda local: self.weight.index_select(0, local))
+        """Current values ``[U, D]`` (table dtype) of sorted unique global ``rows``. Collective.
+
+        With the fixed exchange ``rows`` are sentinel-padded and the padding reads zeros.
+        """
+        pull = self.exchange.pull_fixed if self.fixed else self.exchange.pull
+        return pull(rows.to(self.device), lambda local: self.weight.index_select(0, local))
 
     def push(self, rows: Tensor, grad: Tensor) -> None:
         """Queue a micro-batch's compact gradient (``grad[:len(rows)]`` belongs to ``rows``)."""
@@ -101,18 +120,32 @@ class NgramShard:
                 leaf_dtype: torch.dtype = torch.float32) -> NgramInput:
         """Hash ``input_ids``, pull the unique rows and wrap them as the model's :class:`NgramInput`."""
         row_ids = ngram_row_ids(input_ids, self.ngram_rows)
-        unique, index = compact_rows(row_ids, pad_to)
+        if self.fixed:
+            bound = min(row_ids.numel(), self.ngram_rows)  # the most distinct rows T tokens can touch
+            if pad_to is not None and pad_to < bound:
+                raise ValueError(f"pad_to={pad_to} is below the {bound} rows a batch of {input_ids.numel()} tokens "
+                                 "can touch; the fixed n-gram exchange needs room for all of them")
+            unique, index = unique_fixed(row_ids.reshape(-1), pad_to or bound, self.exchange.sentinel)
+            index = index.view(row_ids.shape)
+        else:
+            unique, index = compact_rows(row_ids, pad_to)
         values = padded_leaf(self.pull(unique), pad_to, leaf_dtype).requires_grad_(requires_grad)
         return NgramInput(values=values, index=index, sign_rows=ngram_sign_rows(input_ids), rows=unique)
 
     # -- event ---------------------------------------------------------------------
     def pending_rows(self) -> int:
-        """Queued gradient rows (with repeats) waiting for the next event."""
-        return sum(r.numel() for r, _ in self._queue)
+        """Queued gradient rows (with repeats, without padding) waiting for the next event."""
+        return sum(int((r < self.exchange.sentinel).sum()) for r, _ in self._queue)
 
     def merged_gradient(self) -> tuple[Tensor, Tensor]:
-        """The cycle's queued gradients segment-summed: (sorted unique global rows, fp32 ``[U, D]``)."""
-        rows, grads = merge_compact(self._queue, (0, self.dim), self.device)
+        """The cycle's queued gradients segment-summed: (sorted unique global rows, fp32 ``[U, D]``).
+
+        With the fixed exchange the rows are padded with the sentinel to the queue's total length.
+        """
+        if self.fixed and self._queue:
+            rows, grads = merge_compact_fixed(self._queue, self.exchange.sentinel)
+        else:
+            rows, grads = merge_compact(self._queue, (0, self.dim), self.device)
         self._queue = [(rows, grads)] if rows.numel() else []
         return rows, grads
 
@@ -125,10 +158,11 @@ class NgramShard:
                 "set model.optim.ngram.betas to [0.0, beta2]"
             )
         rows, grads = self.merged_gradient()
-        local, merged = self.exchange.reduce_to_owners(rows, grads, self.grad_wire_dtype)
+        reduce = self.exchange.reduce_to_owners_fixed if self.fixed and rows.numel() else self.exchange.reduce_to_owners
+        local, merged = reduce(rows, grads, self.grad_wire_dtype)
         if self.world > 1:
             merged.div_(self.world)  # the mean over ranks, as the dense optimizers average gradients
-        self.adam.update_(self.weight, local, merged, lr=lr, beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        self.adam.update_(self._rows, local, merged, lr=lr, beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self._queue = []
 
     # -- whole-table helpers ---------------------------------------------------------
@@ -153,6 +187,9 @@ class NgramShard:
 
     def state_dict(self) -> dict[str, Any]:
         rows, grads = self.merged_gradient()
+        if self.fixed:  # the checkpoint holds the real rows only (a host sync is fine here)
+            n = int((rows < self.exchange.sentinel).sum())
+            rows, grads = rows[:n], grads[:n]
         return {"format": STATE_FORMAT, "ngram_rows": self.ngram_rows, "world_size": self.world,
                 "rank": self.rank, "weight": self.weight, "adam": self.adam.state_dict(),
                 "pending_rows": rows, "pending_grad": grads}

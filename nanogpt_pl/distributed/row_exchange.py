@@ -6,6 +6,32 @@ move rows the same way: a sorted unique row list is partitioned by owner with on
 row ids (int32, RECORD §3) and the rows; a rank's own rows never travel (RECORD §3: own
 count zeroed). :func:`merge_compact` segment-sums a cycle's queued compact gradients
 into one buffer per unique row, so no table-sized buffer is ever built on the sender.
+
+Two exchanges do this:
+
+* ``reference`` (:meth:`RowExchange.pull`, :meth:`RowExchange.reduce_to_owners`,
+  :func:`merge_compact`): exact sizes. ``torch.unique`` and the per-owner counts are
+  read on the host to size the ``all_to_all`` splits, which forces a device -> host
+  sync per call.
+* ``fixed`` (:meth:`RowExchange.pull_fixed`, :meth:`RowExchange.reduce_to_owners_fixed`,
+  :func:`merge_compact_fixed`): every buffer has a capacity known from the batch plan
+  before the step runs, so nothing is read back. Deduplication is a sort plus segment
+  marks (:func:`unique_fixed`) into a buffer of that capacity, padded with a sentinel
+  row id that sorts after every real row and belongs to no owner. Each destination gets
+  a slot of the full capacity ``C`` (a rank can ask one owner for at most all of its
+  ``C`` rows), so every ``all_to_all`` has equal, host-known splits. The receiver maps
+  the sentinel to its local *scratch row* (index = its block size), one spare row the
+  shard and its optimizer state keep past their block, so padded entries read, add and
+  write somewhere harmless without a data-dependent mask. Real rows come out bit for bit
+  as in ``reference``: the same values move, and every row's gradient terms are added in
+  the same order (own rows first, then the peers in rank order).
+
+  Memory bound of the fixed exchange, per call and per direction: ``W·C`` ids and
+  ``W·C`` rows of ``D`` values (``C`` = capacity from the plan, W ranks), i.e. W times
+  the worst case of one rank's request, never anything sized by the table. For the n-gram
+  pull ``C = 2T`` (T tokens of the rank's micro-batch; RECORD §9: T = 49,152 in stage 2,
+  so 8 · 98,304 · 768 bf16 = 1.2 GB at the record's size); for an event ``C`` is the
+  cycle's queued rows, at most 2T per micro-batch of the cycle.
 """
 
 from __future__ import annotations
@@ -17,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# Ways to move rows (see the module docstring); "reference" keeps exact sizes.
+EXCHANGES = ("reference", "fixed")
 
 def dist_world_rank(process_group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     """(world size, rank) of ``process_group``; (1, 0) without torch.distributed."""
@@ -118,6 +146,106 @@ class RowExchange:
         merged.index_add_(0, inverse, vals)
         return unique, merged
 
+    # -- fixed-capacity exchange (no host sync) ---------------------------------------
+    @property
+    def sentinel(self) -> int:
+        """Padding row id: sorts after every real row and belongs to no rank."""
+        return self.boundaries[-1]
+
+    @property
+    def scratch(self) -> int:
+        """Local index the sentinel maps to at every owner: one spare row past this rank's block."""
+        return self.stop - self.start
+
+    def _slots(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(owner, destination slot in a ``[W·C]`` send buffer, valid) of sorted sentinel-padded ``rows``.
+
+        Padding gets slot ``W·C``, one past the buffer (callers allocate one spare entry).
+        """
+        bounds = self._bounds.get(rows.device)
+        if bounds is None:
+            bounds = self._bounds[rows.device] = torch.tensor(self.boundaries, dtype=torch.int64, device=rows.device)
+        cap = rows.numel()
+        owner = torch.searchsorted(bounds[1:], rows, right=True)  # == W for the sentinel
+        valid = owner < self.world
+        owner = owner.clamp(max=self.world - 1)
+        cut = torch.searchsorted(rows, bounds[:-1])  # first position of each owner's rows (rows are sorted)
+        pos = torch.arange(cap, device=rows.device) - cut.index_select(0, owner)
+        slot = torch.where(valid, owner * cap + pos, torch.full_like(pos, self.world * cap))
+        return owner, slot, valid
+
+    def _scatter_to_slots(self, slot: Tensor, src: Tensor, fill: float | int) -> Tensor:
+        """``[W·C, ...]`` buffer with ``src[i]`` at ``slot[i]`` and ``fill`` elsewhere (padding dropped)."""
+        cap = slot.numel()
+        buf = torch.full((self.world * cap + 1, *src.shape[1:]), fill, dtype=src.dtype, device=src.device)
+        buf.index_copy_(0, slot, src)  # every padding entry lands on the spare last entry
+        return buf[:-1]
+
+    def _count(self, kind: str, buf: Tensor) -> None:
+        # what leaves the rank: every slot but its own
+        peer = buf.numel() * buf.element_size() * (self.world - 1) // self.world
+        self.bytes_sent[kind] += peer
+        self.bytes_received[kind] += peer
+
+    def pull_fixed(self, rows: Tensor, read_local: Callable[[Tensor], Tensor]) -> Tensor:
+        """Values ``[C, D]`` of sorted sentinel-padded ``rows`` ``[C]``; zeros at the padding. Collective.
+
+        ``read_local(local_rows)`` returns this rank's rows ``[n, D]`` for local indices.
+        No device -> host sync: every size is ``C`` or ``W·C``.
+        """
+        if self.world == 1:
+            valid = rows < self.stop
+            values = read_local(torch.where(valid, rows - self.start, torch.zeros_like(rows)))
+            return torch.where(valid.unsqueeze(-1), values, torch.zeros((), dtype=values.dtype, device=values.device))
+        cap = rows.numel()
+        _, slot, valid = self._slots(rows)
+        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1)
+        wanted = torch.empty_like(send_ids)
+        dist.all_to_all_single(wanted, send_ids, group=self.group)
+        self._count("pull_ids", send_ids)
+        asked = wanted >= 0
+        local = torch.where(asked, wanted.long() - self.start, torch.zeros_like(wanted, dtype=torch.int64))
+        served = read_local(local).contiguous()
+        got = torch.empty_like(served)
+        dist.all_to_all_single(got, served, group=self.group)
+        self._count("pull_values", served)
+        values = got.index_select(0, slot.clamp(max=self.world * cap - 1))
+        return torch.where(valid.unsqueeze(-1), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+    def reduce_to_owners_fixed(self, rows: Tensor, values: Tensor,
+                               wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+        """Sum every rank's ``values`` ``[C, D]`` of sorted sentinel-padded ``rows`` ``[C]`` at the owners.
+
+        Returns ``(local [W·C], sums [W·C, D] fp32)``: this rank's touched rows as sorted
+        unique local indices, padded with :attr:`scratch`, and their sums over ranks.
+        Collective; no device -> host sync.
+        """
+        cap = rows.numel()
+        if self.world == 1:
+            local = torch.where(rows < self.stop, rows - self.start, torch.full_like(rows, self.scratch))
+            return local, values.float()
+        owner, slot, _ = self._slots(rows)
+        wire = wire_dtype or values.dtype
+        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1)
+        send_vals = self._scatter_to_slots(slot, values.to(wire), 0)
+        recv_ids, recv_vals = torch.empty_like(send_ids), torch.empty_like(send_vals)
+        dist.all_to_all_single(recv_ids, send_ids, group=self.group)
+        dist.all_to_all_single(recv_vals, send_vals, group=self.group)
+        self._count("push_ids", send_ids)
+        self._count("push_values", send_vals)
+        # Own rows first, at full precision and not through the wire dtype, then the peers in
+        # rank order: the order (and precision) in which ``reduce_to_owners`` adds them.
+        peers = [r for r in range(self.world) if r != self.rank]
+        order = torch.tensor(peers, device=rows.device)
+        ids = recv_ids.view(self.world, cap).index_select(0, order).reshape(-1)
+        vals = recv_vals.view(self.world, cap, -1).index_select(0, order).reshape(-1, values.shape[-1])
+        # the whole own request stands in for the own slot: rows of other owners go to the scratch row
+        mine = owner.eq(self.rank) & (rows < self.sentinel)
+        own_local = (rows - self.start).masked_fill(~mine, self.scratch)
+        peer_local = (ids.long() - self.start).masked_fill(ids < 0, self.scratch)
+        local = torch.cat([own_local, peer_local])
+        return merge_compact_fixed([(local, torch.cat([values.float(), vals.float()]))], self.scratch, force=True)
+
     def reset_counters(self) -> None:
         self.bytes_sent.clear()
         self.bytes_received.clear()
@@ -134,6 +262,47 @@ def merge_compact(entries: list[tuple[Tensor, Tensor]], empty_shape: tuple[int, 
     rows = torch.cat([r for r, _ in entries])
     grads = torch.cat([g.float() for _, g in entries], dim=row_dim)
     unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    shape = list(grads.shape)
+    shape[row_dim] = unique.numel()
+    merged = torch.zeros(shape, dtype=torch.float32, device=grads.device)
+    merged.index_add_(row_dim, inverse, grads)
+    return unique, merged
+
+
+def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tensor]:
+    """Sorted unique entries of 1-D ``values`` in a ``[capacity]`` buffer padded with ``fill``, and the inverse.
+
+    The device-side counterpart of ``torch.unique(sorted=True, return_inverse=True)``: a
+    sort, a mark at every new value and a cumulative sum give each entry its segment, so
+    no output size is read back. ``fill`` must be larger than every real value (the
+    padding then stays at the end), and ``capacity`` at least the number of distinct values.
+    """
+    sorted_, order = torch.sort(values, stable=True)
+    new = torch.ones_like(sorted_, dtype=torch.bool)
+    new[1:] = sorted_[1:] != sorted_[:-1]
+    segment = torch.cumsum(new, 0) - 1
+    unique = torch.full((capacity,), fill, dtype=values.dtype, device=values.device)
+    unique.scatter_(0, segment, sorted_)  # repeats write the same value
+    inverse = torch.empty_like(segment)
+    inverse.scatter_(0, order, segment)
+    return unique, inverse
+
+
+def merge_compact_fixed(entries: list[tuple[Tensor, Tensor]], fill: int, row_dim: int = 0,
+                        capacity: Optional[int] = None, force: bool = False) -> tuple[Tensor, Tensor]:
+    """:func:`merge_compact` with a fixed capacity: (sorted unique rows padded with ``fill``, fp32 sums).
+
+    ``entries`` are sentinel-padded (rows, grad) pairs; the result has ``capacity`` rows
+    (default: all queued rows, the bound from the plan). Every row's terms are added in
+    queue order, as in :func:`merge_compact`. A single entry is already merged unless
+    ``force`` (entries with repeats, as at an owner).
+    """
+    if len(entries) == 1 and not force:
+        rows, grads = entries[0]
+        return rows, grads.float()
+    rows = torch.cat([r for r, _ in entries])
+    grads = torch.cat([g.float() for _, g in entries], dim=row_dim)
+    unique, inverse = unique_fixed(rows, capacity or rows.numel(), fill)
     shape = list(grads.shape)
     shape[row_dim] = unique.numel()
     merged = torch.zeros(shape, dtype=torch.float32, device=grads.device)

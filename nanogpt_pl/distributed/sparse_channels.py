@@ -26,7 +26,8 @@ class SparseChannels:
         ngram: this rank's n-gram shard (None = no n-gram channel).
         value_embeds: the value-embedding channel (None = value embeddings take the dense path).
         fixed_shapes: pad the compact leaves to their upper bound (2T n-gram rows, min(T, V)
-            ids) so a compiled model sees one shape per sequence length.
+            ids) so a compiled model sees one shape per sequence length. ``build_sparse_channels``
+            then gives the channels the fixed exchange, which needs no host sync.
     """
 
     def __init__(self, ngram: Optional[NgramShard] = None, value_embeds: Optional[ValueEmbedShard] = None,
@@ -93,10 +94,14 @@ def build_sparse_channels(model: torch.nn.Module, process_group: Optional[dist.P
                           fixed_shapes: bool = False) -> Optional[SparseChannels]:
     """The channels a GPT needs (None when it has neither an n-gram table nor sparse value embeddings)."""
     cfg = model.cfg
-    ngram = NgramShard(cfg.ngram_rows, cfg.model_dim, process_group, device) if cfg.ngram_rows else None
+    # fixed leaf shapes are for compiled, graph-captured steps, which must not wait on the host
+    exchange = "fixed" if fixed_shapes else "reference"
+    ngram = None
+    if cfg.ngram_rows:
+        ngram = NgramShard(cfg.ngram_rows, cfg.model_dim, process_group, device, exchange=exchange)
     ve = None
     if sparse_value_embeds and len(model.value_embeds):
-        ve = ValueEmbedShard(list(model.value_embeds), process_group)
+        ve = ValueEmbedShard(list(model.value_embeds), process_group, exchange=exchange)
     if ngram is None and ve is None:
         return None
     return SparseChannels(ngram, ve, fixed_shapes)
