@@ -4,10 +4,13 @@ Two copies of the sparse channels (n-gram shard + value embeddings) start from t
 state on the same ranks: one with the ``reference`` exchange (exact sizes, counts read
 on the host), one with the ``fixed`` exchange (sentinel-padded buffers sized from the
 batch). Every micro-batch gets fresh random tokens; the leaves, the loss, the leaf
-gradients, the merged cycle gradients, the sums at the owners and the updated rows and
-Adam state must agree bit for bit (``torch.equal``), at 1, 2, 4 and 8 gloo processes,
+gradients, the merged cycle gradients, the sums at the owners, the updated rows and Adam
+state, and the mid-cycle checkpoints must agree bit for bit (``torch.equal``), at 1, 2,
+4 and 8 gloo processes,
 once with gradients on the wire in the table dtype and once in bf16 (where a rank's own
-rows must skip the wire cast, as in the reference).
+rows must skip the wire cast, as in the reference). Mid-cycle the fixed copy restarts
+from the reference copy's checkpoint (different pending row counts per rank) and must
+carry on identically.
 
 The second part runs the fixed exchange under a guard that fails on anything that
 reads device data on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.unique``,
@@ -17,6 +20,7 @@ the guard does trip on the reference exchange.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from pathlib import Path
@@ -39,6 +43,8 @@ from nanogpt_pl.optim.sparse_adam import SparseAdam
 ROWS, DIM, VOCAB, PLANES = 202, 8, 37, 2  # a small table and vocabulary: ranks share rows
 TOKENS, MICRO_PER_RANK, STEPS = 24, 2, 6
 EVENTS = (1, 4, 5)  # cycles of 2, 3 and 1 steps: queues of 4, 6 and 2 micro-batches per rank
+RESUME_AFTER = 2  # mid-cycle: the fixed copy restarts from the reference copy's checkpoint here
+CHECKS_AT_RESUME = 5
 WIRES = (None, torch.bfloat16)
 CHECKS_PER_MICRO = 10
 CHECKS_PER_EVENT = 13 + PLANES
@@ -112,6 +118,8 @@ def compare(group, seed: int, wire: Optional[torch.dtype], check: Checker) -> No
                   f"{at}: value-embedding leaf gradient")
             ref.channels.push_grads(a)
             fix.channels.push_grads(b)
+        if step == RESUME_AFTER:
+            fix = resume(ref, fix, wire, group, seed, check, f"{where} resume after step {step}")
         if step not in EVENTS:
             continue
         at = f"{where} event at step {step}"
@@ -150,8 +158,30 @@ def compare(group, seed: int, wire: Optional[torch.dtype], check: Checker) -> No
         check(fix.shard.pending_rows() == 0 and ref.shard.pending_rows() == 0, f"{at}: queues consumed")
 
 
+def resume(ref: Channels, fix: Channels, wire, group, seed: int, check: Checker, at: str) -> Channels:
+    """Both checkpoints must match; then a fresh fixed copy loads the reference copy's checkpoint.
+
+    The pending rows differ in number across ranks, so loading must pad them to a common
+    length for the fixed exchange.
+    """
+    want, got = ref.channels.state_dict(), fix.channels.state_dict()
+    check(torch.equal(got["ngram"]["pending_rows"], want["ngram"]["pending_rows"]), f"{at}: pending n-gram rows")
+    check(torch.equal(got["ngram"]["pending_grad"], want["ngram"]["pending_grad"]), f"{at}: pending n-gram grad")
+    check(torch.equal(got["value_embeds"]["pending_ids"], want["value_embeds"]["pending_ids"]), f"{at}: pending ids")
+    check(torch.equal(got["value_embeds"]["pending_grad"], want["value_embeds"]["pending_grad"]),
+          f"{at}: pending value-embedding grad")
+    check(torch.equal(got["value_embeds"]["exp_avg"], want["value_embeds"]["exp_avg"]), f"{at}: exp_avg")
+    fresh = Channels("fixed", wire, group, seed)
+    with torch.no_grad():
+        for p, q in zip(fresh.planes, ref.planes):
+            p.copy_(q)
+    fresh.channels.load_state_dict(copy.deepcopy(want))
+    fresh.opt.load_state_dict(ref.opt.state_dict())
+    return fresh
+
+
 def expected_checks() -> int:
-    per_wire = STEPS * MICRO_PER_RANK * CHECKS_PER_MICRO + len(EVENTS) * CHECKS_PER_EVENT
+    per_wire = STEPS * MICRO_PER_RANK * CHECKS_PER_MICRO + len(EVENTS) * CHECKS_PER_EVENT + CHECKS_AT_RESUME
     return len(WIRES) * per_wire
 
 

@@ -39,7 +39,15 @@ from torch import Tensor
 
 from ..model.embeddings import NgramInput, check_ngram_rows, compact_rows, ngram_row_ids, ngram_sign_rows, padded_leaf
 from ..optim.sparse_adam import LazyRowAdam
-from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, merge_compact_fixed, unique_fixed
+from .row_exchange import (
+    EXCHANGES,
+    RowExchange,
+    dist_world_rank,
+    merge_compact,
+    merge_compact_fixed,
+    pad_to_common,
+    unique_fixed,
+)
 from .side_files import STATE_FORMAT
 
 
@@ -101,12 +109,13 @@ class NgramShard:
         return self.weight.device
 
     # -- per micro-batch -----------------------------------------------------------
-    def pull(self, rows: Tensor) -> Tensor:
+    def pull(self, rows: Tensor, fixed: Optional[bool] = None) -> Tensor:
         """Current values ``[U, D]`` (table dtype) of sorted unique global ``rows``. Collective.
 
-        With the fixed exchange ``rows`` are sentinel-padded and the padding reads zeros.
+        With the fixed exchange (``fixed``, default: the shard's) ``rows`` are sentinel-padded
+        and the padding reads zeros.
         """
-        pull = self.exchange.pull_fixed if self.fixed else self.exchange.pull
+        pull = self.exchange.pull_fixed if (self.fixed if fixed is None else fixed) else self.exchange.pull
         return pull(rows.to(self.device), lambda local: self.weight.index_select(0, local))
 
     def push(self, rows: Tensor, grad: Tensor) -> None:
@@ -118,9 +127,15 @@ class NgramShard:
 
     def prepare(self, input_ids: Tensor, requires_grad: bool = True, pad_to: Optional[int] = None,
                 leaf_dtype: torch.dtype = torch.float32) -> NgramInput:
-        """Hash ``input_ids``, pull the unique rows and wrap them as the model's :class:`NgramInput`."""
+        """Hash ``input_ids``, pull the unique rows and wrap them as the model's :class:`NgramInput`.
+
+        With the fixed exchange only training reads (``requires_grad``) take the fixed path:
+        their buffers must be the same size on every rank, which the plan guarantees for
+        training batches; evaluation reads keep exact sizes and may differ across ranks.
+        """
         row_ids = ngram_row_ids(input_ids, self.ngram_rows)
-        if self.fixed:
+        fixed = self.fixed and requires_grad
+        if fixed:
             bound = min(row_ids.numel(), self.ngram_rows)  # the most distinct rows T tokens can touch
             if pad_to is not None and pad_to < bound:
                 raise ValueError(f"pad_to={pad_to} is below the {bound} rows a batch of {input_ids.numel()} tokens "
@@ -129,7 +144,7 @@ class NgramShard:
             index = index.view(row_ids.shape)
         else:
             unique, index = compact_rows(row_ids, pad_to)
-        values = padded_leaf(self.pull(unique), pad_to, leaf_dtype).requires_grad_(requires_grad)
+        values = padded_leaf(self.pull(unique, fixed), pad_to, leaf_dtype).requires_grad_(requires_grad)
         return NgramInput(values=values, index=index, sign_rows=ngram_sign_rows(input_ids), rows=unique)
 
     # -- event ---------------------------------------------------------------------
@@ -203,5 +218,7 @@ class NgramShard:
             )
         self.weight.copy_(state["weight"])
         self.adam.load_state_dict(state["adam"])
-        rows = state["pending_rows"].to(self.device)
-        self._queue = [(rows, state["pending_grad"].to(self.device))] if rows.numel() else []
+        rows, grads = state["pending_rows"].to(self.device), state["pending_grad"].to(self.device)
+        if self.fixed:
+            rows, grads = pad_to_common(rows, grads, self.exchange.sentinel, self.exchange.group)
+        self._queue = [(rows, grads)] if rows.numel() else []

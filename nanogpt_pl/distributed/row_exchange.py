@@ -308,3 +308,23 @@ def merge_compact_fixed(entries: list[tuple[Tensor, Tensor]], fill: int, row_dim
     merged = torch.zeros(shape, dtype=torch.float32, device=grads.device)
     merged.index_add_(row_dim, inverse, grads)
     return unique, merged
+
+
+def pad_to_common(rows: Tensor, grads: Tensor, fill: int, process_group: Optional[dist.ProcessGroup] = None,
+                  row_dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Pad a compact (rows, grads) pair with ``fill`` rows and zero gradients to the longest over the group.
+
+    The fixed exchange needs the same buffer sizes on every rank; a checkpoint keeps each
+    rank's real pending rows only, so loading one pads them back to a common length.
+    Collective (all ranks load together); reads the lengths on the host, once per load.
+    """
+    n = rows.numel()
+    if dist_world_rank(process_group)[0] > 1:
+        longest = torch.tensor([n], dtype=torch.int64, device=rows.device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=process_group)
+        n = int(longest.item())
+    if n == rows.numel():
+        return rows, grads
+    pad = [0, 0] * (grads.dim() - 1 - row_dim) + [0, n - rows.numel()]
+    rows = torch.cat([rows, torch.full((n - rows.numel(),), fill, dtype=rows.dtype, device=rows.device)])
+    return rows, torch.nn.functional.pad(grads, pad)

@@ -25,7 +25,15 @@ from torch import Tensor
 
 from ..model.embeddings import CompactRows, compact_rows, padded_leaf
 from ..optim.sparse_adam import ShardAdam
-from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, merge_compact_fixed, unique_fixed
+from .row_exchange import (
+    EXCHANGES,
+    RowExchange,
+    dist_world_rank,
+    merge_compact,
+    merge_compact_fixed,
+    pad_to_common,
+    unique_fixed,
+)
 from .side_files import STATE_FORMAT
 
 
@@ -75,8 +83,12 @@ class ValueEmbedShard:
 
     def prepare(self, input_ids: Tensor, requires_grad: bool = True, pad_to: Optional[int] = None,
                 leaf_dtype: torch.dtype = torch.float32) -> CompactRows:
-        """Gather every plane at the unique ids of ``input_ids`` as the model's :class:`CompactRows`."""
-        if self.fixed:
+        """Gather every plane at the unique ids of ``input_ids`` as the model's :class:`CompactRows`.
+
+        With the fixed exchange only training reads (``requires_grad``) take the fixed path,
+        as in ``NgramShard.prepare``.
+        """
+        if self.fixed and requires_grad:
             bound = min(input_ids.numel(), self.vocab)  # the most distinct ids T tokens can hold
             if pad_to is not None and pad_to < bound:
                 raise ValueError(f"pad_to={pad_to} is below the {bound} ids a batch of {input_ids.numel()} tokens "
@@ -178,5 +190,7 @@ class ValueEmbedShard:
                 f"{self.world}; resume with the same number of devices"
             )
         self.adam.load_state_dict(state, self.device)
-        ids = state["pending_ids"].to(self.device)
-        self._queue = [(ids, state["pending_grad"].to(self.device))] if ids.numel() else []
+        ids, grads = state["pending_ids"].to(self.device), state["pending_grad"].to(self.device)
+        if self.fixed:
+            ids, grads = pad_to_common(ids, grads, self.sentinel, self.exchange.group, row_dim=1)
+        self._queue = [(ids, grads)] if ids.numel() else []
