@@ -250,12 +250,14 @@ class NoHostSync(TorchDispatchMode):
 
     Ops: reading a scalar (``_local_scalar_dense``: ``.item()``, ``int(t)``), outputs sized
     by data (``unique``, ``nonzero``, ``masked_select``, boolean-mask indexing,
-    ``repeat_interleave`` by a tensor), copies to the CPU of a non-CPU tensor. Python
+    ``repeat_interleave`` by a tensor), copies to the CPU of a non-CPU tensor, tensors made
+    from host data (``torch.tensor``: a blocking copy from pageable memory on CUDA). Python
     calls: ``Tensor.item/tolist/numpy/cpu/__bool__/__int__/__float__`` and ``all_to_all``
     with split sizes (sizes the host must have read).
     """
 
-    BANNED = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "repeat_interleave.Tensor")
+    # lift_fresh: a tensor built from host data (torch.tensor), on CUDA a synchronizing copy from pageable memory
+    BANNED = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "repeat_interleave.Tensor", "lift_fresh")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket.__name__) + "." + func._overloadname
@@ -340,7 +342,7 @@ def _sync_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> N
 def test_guard_catches_host_reads() -> None:
     t = torch.arange(3)
     for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t[0]), lambda: torch.unique(t),
-                 lambda: t[t > 0], lambda: t.nonzero()):
+                 lambda: t[t > 0], lambda: t.nonzero(), lambda: torch.tensor([1, 2])):
         with pytest.raises(HostSync), NoHostSync():
             read()
     assert t.sum().item() == 3  # everything restored

@@ -59,13 +59,16 @@ class RowExchange:
     Args:
         boundaries: ``world + 1`` increasing row ids; rank r owns ``[boundaries[r], boundaries[r+1])``.
         process_group: the ranks (None = the default group).
+        device: where the rows live (the owner boundaries are put there once, so no step
+            copies them from the host).
 
     Attributes:
         bytes_sent: bytes this rank sent to other ranks, by kind (for the benchmark).
         bytes_received: bytes this rank received from other ranks, by kind.
     """
 
-    def __init__(self, boundaries: list[int], process_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, boundaries: list[int], process_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.world, self.rank = dist_world_rank(process_group)
         if len(boundaries) != self.world + 1:
             raise ValueError(f"{len(boundaries)} boundaries for {self.world} ranks")
@@ -77,6 +80,9 @@ class RowExchange:
         self.bytes_sent: Counter = Counter()
         self.bytes_received: Counter = Counter()
         self._bounds: dict[torch.device, Tensor] = {}
+        if device is not None:
+            device = torch.device(device)
+            self._bounds[device] = torch.tensor(self.boundaries, dtype=torch.int64, device=device)
 
     def owner_counts(self, rows: Tensor) -> list[int]:
         """Rows per owner of a sorted row list (one searchsorted on the owner boundaries)."""
@@ -235,8 +241,8 @@ class RowExchange:
         self._count("push_values", send_vals)
         # Own rows first, at full precision and not through the wire dtype, then the peers in
         # rank order: the order (and precision) in which ``reduce_to_owners`` adds them.
-        peers = [r for r in range(self.world) if r != self.rank]
-        order = torch.tensor(peers, device=rows.device)
+        order = torch.arange(self.world - 1, device=rows.device)
+        order += order >= self.rank  # the peers' slots, built on the device
         ids = recv_ids.view(self.world, cap).index_select(0, order).reshape(-1)
         vals = recv_vals.view(self.world, cap, -1).index_select(0, order).reshape(-1, values.shape[-1])
         # the whole own request stands in for the own slot: rows of other owners go to the scratch row

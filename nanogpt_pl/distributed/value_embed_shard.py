@@ -69,7 +69,7 @@ class ValueEmbedShard:
         self.lo = min(self.vocab, self.rank * self.tokens_per_rank)
         self.hi = min(self.vocab, self.lo + self.tokens_per_rank)
         self.exchange = RowExchange(
-            [r * self.tokens_per_rank * self.planes for r in range(self.world + 1)], process_group
+            [r * self.tokens_per_rank * self.planes for r in range(self.world + 1)], process_group, self.device
         )
         self.grad_wire_dtype = grad_wire_dtype
         self.adam = ShardAdam(self.planes, self.hi - self.lo, self.dim)

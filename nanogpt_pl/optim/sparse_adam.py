@@ -90,8 +90,9 @@ class LazyRowAdam:
             lo = torch.clamp(le + 1, min=start)
             hi = min(event - 1, next_start - 1)
             n = torch.clamp(hi - lo + 1, min=0)
-            # β^0 is exactly 1, so rows outside the run are unaffected (and no host sync is needed).
-            factor = factor * torch.pow(torch.tensor(beta2, dtype=self.dtype, device=le.device), n.to(self.dtype))
+            # β^0 is exactly 1, so rows outside the run are unaffected (and no host sync is needed; a
+            # Python-scalar base needs no host-to-device copy either).
+            factor = factor * torch.pow(beta2, n.to(self.dtype))
         return factor
 
     @torch.no_grad()
