@@ -250,3 +250,28 @@ def test_resume_from_a_side_file_mid_cycle_gives_the_same_losses(toy_files, tmp_
     for step in (3, 4, 5):
         assert abs(second.losses[step] - straight.losses[step]) <= 1e-5, step
     torch.testing.assert_close(module.sparse_channels.ngram.weight, table, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lightning_run_with_the_fixed_exchange_equals_the_reference(toy_files, tmp_path):
+    """The module's training loop with fixed-capacity channels (as a compiled run builds them): same bits."""
+    from train_helpers import LossRecorder, make_trainer
+
+    from nanogpt_pl.distributed.sparse_channels import build_sparse_channels
+
+    runs = {}
+    for exchange in ("reference", "fixed"):
+        module, data = ngram_run(toy_files, 4)
+        if exchange == "fixed":  # what prepare_for_training builds with model.compile on, without compiling
+            module.sparse_channels = build_sparse_channels(module.model, None, torch.device("cpu"), fixed_shapes=True)
+            assert module.sparse_channels.ngram.fixed and module.sparse_channels.value_embeds.fixed
+        rec = LossRecorder()
+        make_trainer(tmp_path / exchange, callbacks=[rec]).fit(module, data)
+        runs[exchange] = (rec, module.sparse_channels.state_dict(), module.model.state_dict())
+    (ref, ref_sparse, ref_model), (fix, fix_sparse, fix_model) = runs["reference"], runs["fixed"]
+    assert sorted(ref.losses) == list(range(4)) and fix.losses == ref.losses and fix.val == ref.val
+    assert torch.equal(fix_sparse["ngram"]["weight"], ref_sparse["ngram"]["weight"])
+    assert ref_sparse["ngram"]["weight"].abs().sum() > 0
+    for name, value in ref_model.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(fix_model[name], value), name
