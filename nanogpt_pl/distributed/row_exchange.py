@@ -46,6 +46,7 @@ from torch import Tensor
 # Ways to move rows (see the module docstring); "reference" keeps exact sizes.
 EXCHANGES = ("reference", "fixed")
 
+
 def dist_world_rank(process_group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     """(world size, rank) of ``process_group``; (1, 0) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
