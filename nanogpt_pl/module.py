@@ -21,7 +21,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
+from .distributed.side_files import RANK_LOCAL_KEY
+from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
@@ -513,7 +514,7 @@ class SpeedrunModule(L.LightningModule):
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
         if self.sparse_channels is not None:
-            # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/ngram_shard.py)
+            # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/side_files.py)
             checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

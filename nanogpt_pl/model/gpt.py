@@ -322,7 +322,7 @@ class GPT(nn.Module):
             if ngram is None:
                 raise ValueError(
                     "model.gpt.ngram_rows > 0: pass the batch's n-gram rows as forward(..., ngram=...) "
-                    "(nanogpt_pl.distributed.ngram_shard.SparseChannels.inputs builds them)"
+                    "(nanogpt_pl.distributed.sparse_channels.SparseChannels.inputs builds them)"
                 )
             x0_ngram = self.ngram(ngram, x.dtype)
             gates = self.ngram_gates.type_as(x)
