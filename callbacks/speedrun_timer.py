@@ -9,7 +9,8 @@ The record's timing convention, as a callback:
    state, the candidate sampler and every stateful callback to the start. Warmup
    batches come from a separate stream; the training stream is untouched.
 2. **The clock** runs from the first timed step to the start of the final validation;
-   validation passes are excluded (the clock pauses).
+   validation passes and checkpoint saves are excluded (the clock pauses; after a save it
+   restarts with the next step).
 3. **Target.** After each validation, ``val/loss <= target`` stops the run;
    ``speedrun/train_time_s`` and ``speedrun/reached_target`` are logged.
 """
@@ -76,6 +77,7 @@ class SpeedrunTimer(L.Callback):
         self._t0: Optional[float] = None
         self.warmup_seconds = 0.0
         self.reached = False
+        self._paused_for_save = False
 
     @staticmethod
     def _sync(pl_module: L.LightningModule) -> None:
@@ -141,11 +143,26 @@ class SpeedrunTimer(L.Callback):
             self._sync(pl_module)
             self._t0 = time.perf_counter()
 
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == "fit" and self._t0 is not None:
+            self._pause(pl_module)
+            self._paused_for_save = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._paused_for_save:
+            self._paused_for_save = False
+            if self._t0 is None:
+                self._sync(pl_module)
+                self._t0 = time.perf_counter()
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pause(pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"elapsed": self.elapsed, "reached": self.reached}
+        # a save's state_dict comes before its on_save_checkpoint pause: count the running segment
+        running = 0.0 if self._t0 is None else time.perf_counter() - self._t0
+        return {"elapsed": self.elapsed + running, "reached": self.reached}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.elapsed = float(state_dict["elapsed"])
