@@ -358,3 +358,37 @@ def test_save_last_link_is_refused_with_async_saves(toy_files, tmp_path):
                            enable_checkpointing=True, strategy=SpeedrunStrategy(async_checkpoint=True))
     with pytest.raises(ValueError, match="save_last: true"):
         trainer.fit(module, data)
+
+
+class _SlowSaveStrategy(SpeedrunStrategy):
+    """A save that takes half a second on the training thread (a large synchronous write)."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        import time
+
+        time.sleep(0.5)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+@pytest.mark.slow
+def test_checkpoint_saves_are_off_the_speedrun_clock(toy_files, tmp_path):
+    import time
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from train_helpers import make_trainer
+
+    from callbacks.speedrun_timer import SpeedrunTimer
+
+    module, data = ngram_run(toy_files, 6)
+    timer = SpeedrunTimer(warmup_steps=[], target=0.0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    start = time.perf_counter()
+    make_trainer(tmp_path, callbacks=[timer, ckpt], enable_checkpointing=True,
+                 strategy=_SlowSaveStrategy()).fit(module, data)
+    wall = time.perf_counter() - start
+    saves = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(saves) == 3
+    assert 0 < timer.elapsed < wall - 0.5 * len(saves)
+    # the clock a checkpoint carries counts the steps before it (its state is taken before the pause)
+    clocks = [torch.load(p, weights_only=False)["callbacks"]["SpeedrunTimer"]["elapsed"] for p in saves]
+    assert 0 < clocks[0] < clocks[1] < clocks[2] <= timer.elapsed
