@@ -86,9 +86,6 @@ def test_resume_from_an_async_checkpoint_is_bit_exact(toy_files, tmp_path, monke
     import nanogpt_pl.distributed.side_files as side_files
 
     monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)
-    import nanogpt_pl.distributed.strategy as strategy_module
-
-    monkeypatch.setattr(strategy_module, "INLINE_STATE_LIMIT_BYTES", 0)
 
     module, data = ngram_run(toy_files, 6)
     straight = LossRecorder()
@@ -138,7 +135,7 @@ import nanogpt_pl.distributed.async_checkpoint as async_checkpoint
 import nanogpt_pl.distributed.side_files as side_files
 import nanogpt_pl.distributed.strategy as strategy
 
-strategy.INLINE_STATE_LIMIT_BYTES = 0
+side_files.INLINE_STATE_LIMIT_BYTES = 0
 saves = []
 
 
@@ -192,9 +189,9 @@ def test_a_kill_during_the_background_write_leaves_no_complete_looking_checkpoin
         SpeedrunStrategy().load_checkpoint(broken)
 
     # --ckpt_path last resumes from the complete checkpoint
-    import nanogpt_pl.distributed.strategy as strategy_module
+    import nanogpt_pl.distributed.side_files as side_files
 
-    monkeypatch.setattr(strategy_module, "INLINE_STATE_LIMIT_BYTES", 0)
+    monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)
     module, data = ngram_run(toy_files, 6)
     rec = LossRecorder()
     callback = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=1, save_last=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,8 +27,17 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from . import side_files
 from .async_checkpoint import DEFAULT_PEER_WAIT_S, AsyncCheckpointWriter, new_save_id
-from .side_files import INLINE_STATE_LIMIT_BYTES, RANK_LOCAL_KEY, check_complete, side_file_marker, tensor_bytes
+from .side_files import (
+    RANK_LOCAL_KEY,
+    check_complete,
+    load_rank_local,
+    remove_rank_local,
+    save_rank_local,
+    side_file_marker,
+    tensor_bytes,
+)
 
 # ModelCheckpoint's name for its last checkpoint (``last.ckpt``, ``last-v1.ckpt``).
 _LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
@@ -58,8 +66,6 @@ class SpeedrunStrategy(DDPStrategy):
         self.checkpoint_wait_s = checkpoint_wait_s
         self._writer: Optional[AsyncCheckpointWriter] = None
         self._snapshot_fence: Optional[torch.cuda.Event] = None
-        # seconds the training thread spent in save_checkpoint (the snapshot; the whole write when synchronous)
-        self.checkpoint_seconds = 0.0
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -85,20 +91,15 @@ class SpeedrunStrategy(DDPStrategy):
     # -- per-rank side files for rank-local state (the n-gram table shard) ---------------
     # Each rank writes its own ``<ckpt>.ngram-rank<r>.pt`` (nanogpt_pl.distributed.side_files),
     # so a record-size shard (15 GiB per rank) never travels to rank 0; the main file, written
-    # by rank 0 as usual, keeps only a marker with the world size.
+    # by rank 0 as usual, keeps only a marker with the world size. With async_checkpoint the
+    # same files are written by a background thread per rank (async_checkpoint.py).
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
-        from .side_files import save_rank_local
-
-        start = time.perf_counter()
-        try:
-            if self.async_checkpoint:
-                self._save_async(checkpoint, os.fspath(filepath))
-            else:
-                checkpoint = save_rank_local(checkpoint, filepath, self.global_rank, self.world_size)
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        finally:
-            self.checkpoint_seconds += time.perf_counter() - start
+        if self.async_checkpoint:
+            self._save_async(checkpoint, os.fspath(filepath))
+            return
+        checkpoint = save_rank_local(checkpoint, filepath, self.global_rank, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _save_async(self, checkpoint: dict[str, Any], filepath: str) -> None:
         if self._writer is None:
@@ -114,7 +115,8 @@ class SpeedrunStrategy(DDPStrategy):
         save_id = self.broadcast(new_save_id() if self.is_global_zero else None)
         state = checkpoint.get(RANK_LOCAL_KEY)
         host_state, event = (None, None) if state is None else writer.snapshot.take(state)
-        inline = state is not None and self.world_size == 1 and tensor_bytes(state) <= INLINE_STATE_LIMIT_BYTES
+        limit = side_files.INLINE_STATE_LIMIT_BYTES
+        inline = state is not None and self.world_size == 1 and tensor_bytes(state) <= limit
         main = None
         if self.is_global_zero:
             main = dict(checkpoint)
@@ -146,15 +148,11 @@ class SpeedrunStrategy(DDPStrategy):
             self._writer.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        from .side_files import load_rank_local
-
         check_complete(checkpoint_path)
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         return load_rank_local(checkpoint, checkpoint_path, self.global_rank, self.world_size)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        from .side_files import remove_rank_local
-
         if self._writer is not None and self.async_checkpoint:
             rank, parent = self.global_rank, super()
 
