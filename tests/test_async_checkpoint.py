@@ -282,29 +282,34 @@ def test_two_gloo_ranks_resume_from_async_side_files_bit_exact(tmp_path, monkeyp
 def test_host_snapshot_is_a_point_in_time_copy():
     state = {"w": torch.randn(5, 3), "n": [torch.arange(4)], "k": 7}
     want = {"w": state["w"].clone(), "n": [state["n"][0].clone()]}
-    copy, event = HostSnapshot().take(state)
-    assert event is None  # CPU: the copy is complete when take() returns
+    copy, event, live = HostSnapshot().take(state)
+    assert event is None and not live  # CPU: the copy is complete when take() returns
     state["w"].add_(1.0)
     state["n"][0].mul_(3)
     assert torch.equal(copy["w"], want["w"]) and torch.equal(copy["n"][0], want["n"][0]) and copy["k"] == 7
 
 
 @pytest.mark.cuda
-def test_host_snapshot_on_cuda_stays_consistent_when_the_next_update_waits_on_its_event():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    snap = HostSnapshot()
+@pytest.mark.parametrize("staging", [True, False])
+def test_host_snapshot_on_cuda_stays_consistent_under_the_next_update(staging):
+    """Both ways of a CUDA snapshot: device clones (no wait), or live reads with the update waiting on the event."""
+    snap = HostSnapshot(device_staging=staging)
     for size in (1 << 16, 1 << 24):  # the second round reuses nothing: new shapes, new pinned buffers
         table = torch.randn(size, 8, device="cuda")
-        want = table.cpu()
-        copy, event = snap.take({"table": table})
-        assert copy["table"].is_pinned() and event is not None
-        torch.cuda.current_stream().wait_event(event)  # what SpeedrunStrategy.optimizer_step does
+        rows = torch.arange(0, size, 7, device="cuda")
+        want = {"table": table.cpu(), "rows": rows.cpu()}
+        copy, event, live = snap.take({"table": table, "rows": rows})
+        assert copy["table"].is_pinned() and event is not None and live == (not staging)
+        if live:
+            torch.cuda.current_stream().wait_event(event)  # what SpeedrunStrategy.optimizer_step does
         table.mul_(-1.0)
+        del rows  # a temporary freed right away must not be overwritten before its copy ran
+        torch.empty(size, device="cuda").fill_(3.0)
         event.synchronize()
-        assert torch.equal(copy["table"], want)
-    again, _ = snap.take({"table": table})
-    assert again["table"].data_ptr() == copy["table"].data_ptr()  # same shape: the pinned buffer is reused
+        assert torch.equal(copy["table"], want["table"]) and torch.equal(copy["rows"], want["rows"])
+    again = snap.take({"table": table, "rows": torch.arange(0, size, 7, device="cuda")})
+    again.done.synchronize()
+    assert again.state["table"].data_ptr() == copy["table"].data_ptr()  # same shape: the pinned buffer is reused
 
 
 def test_side_file_of_another_save_is_refused(tmp_path):

@@ -6,11 +6,13 @@ thread per rank writes the files:
 
 1. **Snapshot** (training thread). This rank's side-file state is copied to host memory:
    on CUDA into pinned buffers kept from save to save, by non-blocking copies on a side
-   stream that first waits for the compute stream; an event marks their end, and the
-   strategy makes the next optimizer step that runs the sparse part wait for it on the
-   GPU (the sparse update is the only code that changes that state in place). On CPU it
-   is a plain copy. The main checkpoint (written by rank 0) is cloned on its device, as
-   Lightning's ``AsyncCheckpointIO`` does.
+   stream that first waits for the compute stream; an event marks their end. The copies
+   read device clones of the state when the GPU has room for them (milliseconds of
+   device time); otherwise they read the live tensors and the strategy makes the next
+   optimizer step that runs the sparse part wait for the event on the GPU (the sparse
+   update is the only code that changes that state in place). On CPU it is a plain copy.
+   The main checkpoint (written by rank 0) is cloned on its device, as Lightning's
+   ``AsyncCheckpointIO`` does.
 2. **Write** (background thread). Every rank writes ``<ckpt>.ngram-rank<r>.pt`` under a
    temporary name and renames it; the file carries the save's id. Rank 0 waits until
    every rank's side file of this save is in place, writes the main file the same way,
@@ -32,7 +34,7 @@ import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -43,49 +45,69 @@ from .side_files import rank_file, side_file_snapshot, write_side_file
 # How long rank 0 waits for the other ranks' side files of a save before failing it.
 DEFAULT_PEER_WAIT_S = 1800.0
 _POLL_S = 0.05
+# Driver-free device memory needed, per byte of state, to stage a snapshot in device clones: the clones
+# may come from the allocator's cached blocks, and the next steps must still find that much memory.
+STAGING_HEADROOM = 1.25
+
+
+class Snapshot(NamedTuple):
+    """A host copy of a state: ``done`` marks the end of its copies (None: complete already);
+    ``reads_live`` says whether they read the live tensors, so in-place updates must wait for ``done``."""
+
+    state: Any
+    done: Optional[torch.cuda.Event]
+    reads_live: bool
 
 
 class HostSnapshot:
     """Copies of a state's tensors in host memory, taken without blocking the training thread on CUDA.
 
-    Buffers are reused while a state's tensors keep their shapes (pinned memory is slow to
-    allocate: the first snapshot of a record-size shard pays it once).
+    On CUDA the tensors are first cloned on the device when the driver has room for the
+    clones with :data:`STAGING_HEADROOM` to spare (a device-to-device copy of a record
+    rank's 15 GiB takes milliseconds); the device-to-host copies then read the private
+    clones and training need not wait for them. Without room they read the live tensors
+    (``Snapshot.reads_live``). Host buffers are pinned and reused while a state's tensors
+    keep their shapes (pinned memory is slow to allocate: the first snapshot of a
+    record-size shard pays it once).
+
+    Args:
+        device_staging: allow the device clones (False: always read the live tensors).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_staging: bool = True) -> None:
+        self.device_staging = device_staging
         self._buffers: list[Tensor] = []
         self._stream: Optional[torch.cuda.Stream] = None
 
-    def take(self, state: Any) -> tuple[Any, Optional[torch.cuda.Event]]:
-        """(host copy of ``state``, event that marks the end of the copies; None when already complete)."""
-        cuda = [t for t in _tensors(state) if t.is_cuda]
+    def take(self, state: Any) -> Snapshot:
+        """Start copying every tensor of ``state`` to host memory; the copy and when it is done."""
+        tensors = _tensors(state)
+        cuda = [t for t in tensors if t.is_cuda]
         if not cuda:
-            return apply_to_collection(state, Tensor, lambda t: t.detach().clone()), None
+            return Snapshot(apply_to_collection(state, Tensor, lambda t: t.detach().clone()), None, False)
         device = cuda[0].device
+        need = sum(t.numel() * t.element_size() for t in cuda)
+        staged = self.device_staging and torch.cuda.mem_get_info(device)[0] >= STAGING_HEADROOM * need
+        # clones are taken on the compute stream, in order with the updates before and after them
+        sources = [t.detach().clone() if (staged and t.is_cuda) else t.detach() for t in tensors]
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(device))
-        index = iter(range(1 << 62))
-
-        def copy(t: Tensor) -> Tensor:
-            i = next(index)
+        for i, src in enumerate(sources):
             if i == len(self._buffers):
                 self._buffers.append(torch.empty(0))
-            buf = self._buffers[i]
-            if buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                self._buffers[i] = buf
-            if t.is_cuda:
-                t.record_stream(stream)  # a temporary freed on the compute stream must outlive the copy
+            if self._buffers[i].shape != src.shape or self._buffers[i].dtype != src.dtype:
+                self._buffers[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            if src.is_cuda:
+                src.record_stream(stream)  # freed on the compute stream, it must outlive the copy
             with torch.cuda.stream(stream):
-                buf.copy_(t.detach(), non_blocking=True)
-            return buf
-
-        out = apply_to_collection(state, Tensor, copy)
+                self._buffers[i].copy_(src, non_blocking=True)
+        del sources
         event = torch.cuda.Event()
         event.record(stream)
-        return out, event
+        index = iter(range(len(tensors)))
+        return Snapshot(apply_to_collection(state, Tensor, lambda t: self._buffers[next(index)]), event, not staged)
 
 
 def _tensors(state: Any) -> list[Tensor]:

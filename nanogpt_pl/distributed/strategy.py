@@ -114,7 +114,8 @@ class SpeedrunStrategy(DDPStrategy):
             return
         save_id = self.broadcast(new_save_id() if self.is_global_zero else None)
         state = checkpoint.get(RANK_LOCAL_KEY)
-        host_state, event = (None, None) if state is None else writer.snapshot.take(state)
+        snap = None if state is None else writer.snapshot.take(state)
+        host_state, event = (None, None) if snap is None else (snap.state, snap.done)
         limit = side_files.INLINE_STATE_LIMIT_BYTES
         inline = state is not None and self.world_size == 1 and tensor_bytes(state) <= limit
         main = None
@@ -124,7 +125,7 @@ class SpeedrunStrategy(DDPStrategy):
             main = _clone_tensors(main)
             if state is not None:
                 main[RANK_LOCAL_KEY] = host_state if inline else side_file_marker(self.world_size, save_id)
-        if event is not None:
+        if snap is not None and snap.reads_live:
             self._snapshot_fence = event
         writer.submit_save(filepath, self.global_rank, self.world_size, save_id, None if inline else host_state,
                            event, main, self._write_main, step)
