@@ -510,6 +510,8 @@ class SpeedrunModule(L.LightningModule):
             torch.distributed.all_gather_object(gathered, samplers)
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
+        # what `nanogpt-pl generate` needs to run the validation network from this file alone
+        checkpoint["speedrun"]["val_windows"] = (self.schedule.val_window_short, self.schedule.val_window_long)
         if self.sparse_channels is not None:
             # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/ngram_shard.py)
             checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
