@@ -33,6 +33,16 @@ class SpeedrunCLI(LightningCLI):
         parser.link_arguments("schedule", "model.schedule", apply_on="instantiate")
         parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
 
+    def before_instantiate_classes(self) -> None:
+        # a tracker's missing package or refused store, as one line instead of "Not a valid subclass of Logger"
+        from .trackers import prepare_loggers
+
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        try:
+            prepare_loggers(config.get("trainer"))
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+
 
 # Lightning warns that with manual optimization a step checkpoint holds the weights after the
 # optimizer step. That is what resuming needs here: the data stream, schedule and optimizer
