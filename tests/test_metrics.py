@@ -6,6 +6,7 @@ import math
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -83,6 +84,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_with_uneven_batches_equal_one_direct_computation(tmp_path):
     seed = int(torch.randint(0, 10**6, ()).item())  # fresh inputs each run
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), seed), nprocs=2, join=True)

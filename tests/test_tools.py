@@ -53,6 +53,7 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
+@pytest.mark.slow
 def test_ablate_writes_the_table_and_plots(ablation):
     out, done = ablation
     text = (out / "ablation.md").read_text()
@@ -72,6 +73,7 @@ def test_ablate_writes_the_table_and_plots(ablation):
         assert (out / "plots" / f"{name}.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_ablate_does_not_rerun_finished_runs(ablation):
     out, _ = ablation
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/result.json")}
@@ -86,6 +88,7 @@ def test_ablate_does_not_rerun_finished_runs(ablation):
     assert (out / "no_fp8" / "result.json").is_file()
 
 
+@pytest.mark.slow
 def test_plot_overlays_runs_at_the_requested_size(ablation, tmp_path):
     from PIL import Image
 
@@ -103,6 +106,7 @@ def test_plot_overlays_runs_at_the_requested_size(ablation, tmp_path):
             assert len(im.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 50
 
 
+@pytest.mark.slow
 def test_plot_reads_every_curve_of_a_run(ablation):
     from nanogpt_pl.tools.plot import load_run
 
@@ -116,6 +120,7 @@ def test_plot_reads_every_curve_of_a_run(ablation):
     assert run.tokens_per_s and all(v > 0 for _, v in run.tokens_per_s)
 
 
+@pytest.mark.slow
 def test_generate_is_reproducible_for_a_seed(ablation):
     from nanogpt_pl.tools.generate import generate_text, load_for_sampling
 
@@ -131,6 +136,7 @@ def test_generate_is_reproducible_for_a_seed(ablation):
     assert windows == (128, 384)  # schedule.val_window_short / val_window_long of the run
 
 
+@pytest.mark.slow
 def test_generate_command_prints_the_text(ablation):
     out, _ = ablation
     done = nanogpt_pl(["generate", str(out / "base" / "checkpoints" / "quickstart" / "last.ckpt"), "--prompt",

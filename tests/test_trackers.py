@@ -48,6 +48,7 @@ def logged(tmp_path_factory):
     return work / "logs", train, rows
 
 
+@pytest.mark.slow
 def test_csv(logged):
     _, train, rows = logged
     assert [s for s, _ in train] == list(range(STEPS))
@@ -55,6 +56,7 @@ def test_csv(logged):
     assert any(r.get("val/loss") for r in rows)
 
 
+@pytest.mark.slow
 def test_tensorboard(logged):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -89,6 +91,7 @@ def wandb_history(path: Path) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_WANDB, reason=f"wandb {MISSING}")
 def test_wandb_offline(logged):
     logs, train, _ = logged
@@ -98,6 +101,7 @@ def test_wandb_offline(logged):
     assert any("val/loss" in r for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_MLFLOW, reason=f"mlflow {MISSING}")
 def test_mlflow_sqlite(logged):
     from mlflow.tracking import MlflowClient
