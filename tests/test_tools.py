@@ -180,7 +180,7 @@ def test_generate_uses_the_tail_averaged_weights_of_an_unshipped_checkpoint(tmp_
     from nanogpt_pl.tools.generate import _tail_state, load_for_sampling
 
     corpus = build_corpus()
-    module, data = make_run((corpus.train_pattern, corpus.val_pattern), tiny_schedule(8, candidates=None))
+    module, data = make_run((corpus.train_pattern, corpus.val_pattern), tiny_schedule(8))
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     make_trainer(tmp_path, callbacks=[TailAveraging(), ckpt], enable_checkpointing=True,
                  limit_val_batches=0).fit(module, data)
