@@ -77,6 +77,11 @@ class SpeedrunTimer(L.Callback):
         self.warmup_seconds = 0.0
         self.reached = False
 
+    @property
+    def clock_running(self) -> bool:
+        """Whether timed training is in progress (callbacks that cost time stay out of it)."""
+        return self._t0 is not None
+
     @staticmethod
     def _sync(pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":

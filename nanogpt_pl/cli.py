@@ -4,6 +4,7 @@
     python main.py fit --config configs/speedrun.yaml --trainer.devices 8
     nanogpt-pl fit --config configs/speedrun_1gpu.yaml --trainer.max_steps 50
     nanogpt-pl data prepare|fineweb|tokenizer|corpus ...
+    nanogpt-pl generate|plot|ablate ...   (nanogpt_pl/tools)
 
 The top-level ``schedule:`` section is the stage table; it is handed to both the
 module (``model.schedule``) and the data module (``data.schedule``), so batch shapes
@@ -31,6 +32,16 @@ class SpeedrunCLI(LightningCLI):
         parser.add_class_arguments(Schedule, "schedule", fail_untyped=False)
         parser.link_arguments("schedule", "model.schedule", apply_on="instantiate")
         parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        # a tracker's missing package or refused store, as one line instead of "Not a valid subclass of Logger"
+        from .trackers import prepare_loggers
+
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        try:
+            prepare_loggers(config.get("trainer"))
+        except ValueError as e:
+            sys.exit(f"error: {e}")
 
 
 # Lightning warns that with manual optimization a step checkpoint holds the weights after the
@@ -62,6 +73,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .data.commands import main as data_main
 
         return data_main(argv[1:])
+    from .tools import COMMANDS as TOOL_COMMANDS
+
+    if argv and argv[0] in TOOL_COMMANDS:
+        from .tools import main as tools_main
+
+        return tools_main(argv)
     cli_main(argv)
     return 0
 

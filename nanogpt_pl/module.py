@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .distributed.side_files import RANK_LOCAL_KEY
 from .distributed.sparse_channels import SparseChannels, build_sparse_channels
+from .metrics import BitsPerByte, MeanTokenLoss
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
@@ -191,6 +192,9 @@ class SpeedrunModule(L.LightningModule):
         self.__dict__["_forward"] = self.model
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
+        # token-weighted over batches and ranks by torchmetrics (nanogpt_pl/metrics.py)
+        self.val_loss = MeanTokenLoss()
+        self.val_bpb = BitsPerByte()
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -492,7 +496,10 @@ class SpeedrunModule(L.LightningModule):
         hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
                             (self.schedule.val_window_short, self.schedule.val_window_long), **sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        self.val_loss.update(loss, batch["targets"].numel())
+        self.val_bpb.update_from_loss(hidden, self.model.lm_head, batch["targets"], loss)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/bpb", self.val_bpb)
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -513,6 +520,8 @@ class SpeedrunModule(L.LightningModule):
             torch.distributed.all_gather_object(gathered, samplers)
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
+        # what `nanogpt-pl generate` needs to run the validation network from this file alone
+        checkpoint["speedrun"]["val_windows"] = (self.schedule.val_window_short, self.schedule.val_window_long)
         if self.sparse_channels is not None:
             # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/side_files.py)
             checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
