@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from .data.tokenizer import get_encoding, mergeable_ranks
 from .ops.cross_entropy import full_cross_entropy
 
 
@@ -44,14 +45,10 @@ class MeanTokenLoss(Metric):
 
 def token_byte_lengths(vocab_size: int, encoding=None) -> Tensor:
     """UTF-8 bytes of every token id (0 for special and padded ids); GPT-2's tokenizer by default."""
-    from .ops.cross_entropy import _token_bytes
-
     if encoding is None:
-        from .data.tokenizer import get_encoding
-
         encoding = get_encoding()
     table = torch.zeros(vocab_size, dtype=torch.int64)
-    for i, b in _token_bytes(encoding).items():
+    for b, i in mergeable_ranks(encoding).items():
         if i < vocab_size:
             table[i] = len(b)
     return table
