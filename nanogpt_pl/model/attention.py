@@ -248,6 +248,14 @@ def live_rows(w: Tensor, num_heads: int, width: int) -> Tensor:
     return w.view(num_heads, -1, w.shape[-1])[:, :width].reshape(num_heads * width, w.shape[-1])
 
 
+def live_row_blocks(w: Tensor, num_heads: int, width: int) -> tuple[Tensor, ...]:
+    """:func:`live_rows` as contiguous views of ``w``: one block per head, or ``w`` itself."""
+    if width * num_heads == w.shape[0]:
+        return (w,)
+    hd = w.shape[0] // num_heads
+    return tuple(w[h * hd:h * hd + width] for h in range(num_heads))
+
+
 @dataclass
 class AttentionSpec:
     """Shape and variant of one attention layer (built by the GPT from its config).
@@ -333,7 +341,11 @@ class CausalSelfAttention(nn.Module):
         if s.fp8_qkv and self.training:
             from ..ops.fp8 import fp8_linear
 
-            qkv = fp8_linear(x, parts, self.fp8_state)
+            # row blocks that are views of the parameters, so the FP8 cache follows their versions
+            blocks = (*live_row_blocks(self.qk_w[0], s.num_heads, s.d_qk),
+                      *live_row_blocks(self.qk_w[1], s.num_heads, s.d_qk),
+                      *live_row_blocks(self.v_w, s.num_heads, s.d_v))
+            qkv = fp8_linear(x, blocks, self.fp8_state)
         else:
             qkv = x @ torch.cat(parts).type_as(x).t()
         qkv = qkv * self.lambdas[0].type_as(qkv)  # λ₀ folded after the GEMM: the same product
