@@ -346,3 +346,30 @@ def test_w_o_rows_are_output_channels(small_model):
     # rows ≥ cols) run over output channels as the record's
     attn = small_model.blocks[3].attn
     assert tuple(attn.o_w.shape) == (small_model.cfg.model_dim, 6 * small_model.cfg.head_dim)
+
+
+def test_describe_prints_the_layer_table_and_family_counts(capsys):
+    from nanogpt_pl.cli import main
+
+    assert main(["describe", "--config", str(ROOT / "configs" / "speedrun.yaml")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:12]}
+    # RECORD §2 "Per-layer map"
+    assert rows["0"][1:8] == ["narrow", "(64,128)", "short", "yes", "-", "-", "-"]
+    assert rows["1"][1:8] == ["dv64", "(64,64)", "short", "-", "-", "yes", "-"] and rows["1"][8] == "p0"
+    assert rows["3"][1:8] == ["wide", "(128,128)", "long", "-", "yes", "yes", "yes"]
+    assert rows["7"][1] == "none" and "removed" in rows["7"]
+    assert rows["8"][8] == "p2" and "parallel" in rows["8"]
+    assert rows["10"][1:8] == ["wide", "(128,128)", "long", "-", "yes", "-", "yes"] and rows["10"][8] == "p3"
+    counts = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("  ")}
+    # RECORD §8 banks and §2 value embeddings, as in test_parameter_counts_per_family_at_the_record_dims
+    assert counts["qk"] == counts["vo"] == "8,257,536" and counts["mlp"] == "47,579,136"
+    assert counts["adam:value_embeds"] == "154,533,888"
+    assert "64,975,011,840  (not allocated)" in out  # RECORD §3: 84,602,880 rows × 768, only counted
+
+
+def test_describe_names_a_missing_config(tmp_path):
+    from nanogpt_pl.cli import main
+
+    with pytest.raises(SystemExit, match="--config"):
+        main(["describe", "--config", str(tmp_path / "missing.yaml")])
