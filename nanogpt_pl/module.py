@@ -499,6 +499,7 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        self._prefix = None  # RECORD §11: the prefix-table build is on the clock, so the timed run rebuilds it
         if self.sparse_channels is not None:
             if state.get("sparse") is None:
                 self.sparse_channels.reset_()

@@ -373,3 +373,48 @@ def test_describe_names_a_missing_config(tmp_path):
 
     with pytest.raises(SystemExit, match="--config"):
         main(["describe", "--config", str(tmp_path / "missing.yaml")])
+
+
+def test_fp8_qkv_uses_the_record_scales_on_the_live_rows():
+    # RECORD §7 "Attention QKV": static input scale 8/448; one exact weight scale per layer over
+    # its packed (live) QK‖V rows
+    assert SPEEDRUN["model"]["gpt"]["fp8_qkv_x_scale"] == 8 / 448
+    torch.manual_seed(1)
+    spec = AttentionSpec(model_dim=96, num_heads=6, head_dim=16, d_qk=8, d_v=16, fp8_qkv=True,
+                         fp8_backend="emulated", fp8_qkv_x_scale=8 / 448, backend="sdpa")
+    attn = CausalSelfAttention(spec).train()
+    assert attn.fp8_state.x_scale.item() == pytest.approx(8 / 448)
+    with torch.no_grad():
+        attn.qk_w.view(2, 6, 16, 96)[:, :, 8:] *= 100  # dead rows far larger: must not set the scale
+    x = F.rms_norm(torch.randn(20, 96), (96,))
+    q, k, v = attn._qkv(x)
+    live = torch.cat([attn.qk_w.view(2, 6, 16, 96)[:, :, :8].reshape(-1, 96), attn.v_w])
+    assert attn.fp8_state.w_scale.item() == pytest.approx(live.abs().max().item() / 448)
+    ref = 0.5 * x @ live.t()
+    got = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    assert torch.allclose(got, ref, atol=0.05 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("seed", [0, 8])
+def test_anvil_group_blocks_equal_parameter_attributes(seed):
+    from nanogpt_pl.optim.anvil import Anvil
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(2, 16, 12), (16, 12), (12, 16)]
+    base = [torch.randn(*s, generator=gen) for s in shapes]
+    grads = [[torch.randn(*s, generator=gen) for s in shapes] for _ in range(3)]
+    by_group = [torch.nn.Parameter(b.clone()) for b in base]
+    by_attr = [torch.nn.Parameter(b.clone()) for b in base]
+    by_attr[0].anvil_block = (8, 12)
+    by_attr[2].anvil_lr_mul = 2.0
+    opt_g = Anvil([dict(params=by_group, blocks=[(8, 12), (16, 12), (12, 16)], lr_muls=[1.0, 1.0, 2.0])], lr=0.02)
+    opt_a = Anvil(by_attr, lr=0.02)
+    for step in range(3):
+        for ps, opt in ((by_group, opt_g), (by_attr, opt_a)):
+            for p, g in zip(ps, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+    for a, b in zip(by_group, by_attr):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="'blocks' has 1 entries for 3 parameters"):
+        Anvil([dict(params=[torch.nn.Parameter(b.clone()) for b in base], blocks=[(8, 12)])])

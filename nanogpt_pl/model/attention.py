@@ -277,6 +277,8 @@ class AttentionSpec:
         backend: attention kernel (see :func:`resolve_backend`).
         fp8_qkv: run the QKV projection in FP8.
         fp8_backend: FP8 backend.
+        fp8_qkv_x_scale: static FP8 scale of the QKV input (None = the clip-free default of
+            ``ops.fp8``; the record's is 8/448, clamping |x| > 8, RECORD §7).
         qkv_lambda_init: λ₀, the scalar on the QKV weights.
     """
 
@@ -295,6 +297,7 @@ class AttentionSpec:
     backend: str = "auto"
     fp8_qkv: bool = False
     fp8_backend: str = "auto"
+    fp8_qkv_x_scale: Optional[float] = None
     qkv_lambda_init: float = QKV_LAMBDA_INIT
 
 
@@ -332,7 +335,9 @@ class CausalSelfAttention(nn.Module):
         if s.fp8_qkv:
             from ..ops.fp8 import Fp8LinearState
 
-            self.fp8_state = Fp8LinearState(backend=s.fp8_backend)
+            # one exact weight scale per refresh over the layer's packed live QK‖V rows (RECORD §7)
+            scale = {} if s.fp8_qkv_x_scale is None else {"x_scale": s.fp8_qkv_x_scale}
+            self.fp8_state = Fp8LinearState(backend=s.fp8_backend, **scale)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, n = self.spec, x.shape[0]

@@ -117,6 +117,8 @@ class GPTConfig:
         fp8_mlp: run the MLP matmuls in FP8 (CUDA, or emulated on CPU).
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
+        fp8_qkv_x_scale: static FP8 scale of the QKV input; None = the clip-free default
+            (RECORD §7: 8/448, which clamps |x| > 8).
         fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``emulated``.
         ngram_rows: rows of the hashed bigram + trigram table (RECORD §3: 84,602,880); 0 = no
             n-gram channel. The table lives outside the model (``nanogpt_pl.distributed.ngram_shard``);
@@ -156,6 +158,7 @@ class GPTConfig:
     fp8_mlp: bool = False
     fp8_head: bool = False
     fp8_qkv: bool = False
+    fp8_qkv_x_scale: Optional[float] = None
     fp8_backend: str = "auto"
     ngram_rows: int = 0
     ngram_layers: list[int] = field(default_factory=lambda: [1, 4, 5, 9])
@@ -276,7 +279,7 @@ class GPTConfig:
             xsa=layer in self.xsa_layers, gate=layer in self.attn_gate_layers, dynamic_gates=self.mudd,
             value_embed=layer in self.value_embed_layers and not self.mixed_layer(layer),
             backend=self.attention_backend, fp8_qkv=self.fp8_qkv, fp8_backend=self.fp8_backend,
-            qkv_lambda_init=self.qkv_lambda_init,
+            fp8_qkv_x_scale=self.fp8_qkv_x_scale, qkv_lambda_init=self.qkv_lambda_init,
         )
 
     def flops_per_token(self, seq_len: int, window_short: int, window_long: int) -> int:
