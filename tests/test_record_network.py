@@ -418,3 +418,39 @@ def test_anvil_group_blocks_equal_parameter_attributes(seed):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="'blocks' has 1 entries for 3 parameters"):
         Anvil([dict(params=[torch.nn.Parameter(b.clone()) for b in base], blocks=[(8, 12)])])
+
+
+def test_injection_points_act_where_the_record_injects(small_model):
+    # RECORD §2: x0 injected on 0, 1, 2, 4, 5, 7; n-gram on 1, 4, 5, 9 (and the residual start through
+    # layer 0's gate); the gates MUDD computes for x0 3/8/9, n-gram 2/3/7/8, XSA 4/7 and the retired
+    # slots are unused, so moving their biases changes nothing
+    torch.manual_seed(5)
+    model = GPT(small_model.cfg).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.mlp is not None:
+                block.mlp.proj_w.normal_(std=0.05)
+            if block.attn is not None:
+                block.attn.o_w.normal_(std=0.05)
+    ids = torch.randint(0, 256, (40,))
+    cu = torch.tensor([0, 40, 40], dtype=torch.int32)
+    ngram = ngram_input(ids, model.cfg.ngram_rows, model.cfg.model_dim)
+    base = model(ids, cu, 40, (8, 24), ngram=ngram)
+    mudd = model.mudd
+
+    def acts(block, index) -> bool:
+        with torch.no_grad():
+            block.b2[index] += 3.0
+            out = model(ids, cu, 40, (8, 24), ngram=ngram)
+            block.b2[index] -= 3.0
+        return not torch.allclose(out, base)
+
+    x0 = {layer: acts(mudd.pre_gate if layer in mudd.pre.x0 else mudd.post_gate,
+                      {**mudd.pre.x0, **mudd.post.x0}[layer]) for layer in (0, 1, 2, 3, 4, 5, 7, 8, 9)}
+    assert [k for k, v in x0.items() if v] == [0, 1, 2, 4, 5, 7]
+    ng = {layer: acts(mudd.pre_gate if layer in mudd.pre.ngram else mudd.post_gate,
+                      {**mudd.pre.ngram, **mudd.post.ngram}[layer]) for layer in (0, 1, 2, 3, 4, 5, 7, 8, 9)}
+    assert [k for k, v in ng.items() if v] == [0, 1, 4, 5, 9]
+    assert not any(acts(mudd.post_gate, i) for i in range(12))  # XSA α of 4 and 7
+    assert not any(acts(mudd.post_gate, i) for i in range(29, 41))  # retired
+    assert acts(mudd.post_gate, 28) and acts(mudd.pre_gate, 0)  # the skip gate; XSA α of layer 1

@@ -60,7 +60,10 @@ def _varlen_fn():
 
 
 def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
-    """Map ``auto`` to a concrete kernel and reject kernels the device cannot run."""
+    """Map ``auto`` to a concrete kernel and reject kernels the device cannot run.
+
+    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"model.gpt.attention_backend={backend!r}: choose one of {BACKENDS}")
     if backend == "auto":
@@ -80,8 +83,8 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
                 "model.gpt.attention_backend='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
                 "use 'flex' or 'auto'"
             )
-        if not same_head_dims:
-            raise ValueError("model.gpt.attention_backend='varlen' needs equal query and value head sizes; use 'flex'")
+        if not same_head_dims:  # torch's varlen kernel needs d_qk == d_v: narrow layers run on flex
+            return "flex"
     return backend
 
 
