@@ -83,6 +83,10 @@ def describe_main(argv: list[str]) -> int:
         except OSError as err:
             raise SystemExit(f"nanogpt-pl describe: cannot read --config {path}: {err.strerror}")
         gpt.update(((yaml.safe_load(text) or {}).get("model") or {}).get("gpt") or {})
+    unknown = sorted(set(gpt) - set(GPTConfig.__dataclass_fields__))
+    if unknown:
+        raise SystemExit(f"nanogpt-pl describe: unknown key(s) model.gpt.{', model.gpt.'.join(unknown)} in "
+                         f"{', '.join(args.config)}; see `nanogpt-pl fit --help` for the model.gpt options")
     cfg = GPTConfig(**gpt)
     with torch.device("meta"):
         model = GPT(cfg)

@@ -454,3 +454,12 @@ def test_injection_points_act_where_the_record_injects(small_model):
     assert not any(acts(mudd.post_gate, i) for i in range(12))  # XSA α of 4 and 7
     assert not any(acts(mudd.post_gate, i) for i in range(29, 41))  # retired
     assert acts(mudd.post_gate, 28) and acts(mudd.pre_gate, 0)  # the skip gate; XSA α of layer 1
+
+
+def test_describe_names_an_unknown_model_key(tmp_path):
+    from nanogpt_pl.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  gpt:\n    num_layer: 4\n")
+    with pytest.raises(SystemExit, match="model.gpt.num_layer"):
+        main(["describe", "--config", str(ROOT / "configs" / "speedrun.yaml"), "--config", str(bad)])
