@@ -463,3 +463,16 @@ def test_describe_names_an_unknown_model_key(tmp_path):
     bad.write_text("model:\n  gpt:\n    num_layer: 4\n")
     with pytest.raises(SystemExit, match="model.gpt.num_layer"):
         main(["describe", "--config", str(ROOT / "configs" / "speedrun.yaml"), "--config", str(bad)])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(xsa_layers=[0, 1]), "XSA needs unpaired heads"),
+    (dict(dv64_layers=[1, 2]), "both narrow_layers and dv64_layers"),
+    (dict(paired_layers=[4]), r"paired_layers \[4\] have no attention"),
+    (dict(parallel_mlp_layers=[7]), r"parallel_mlp_layers \[7\] have no MLP"),
+    (dict(attn_gate_layers=[3, 8]), "mudd needs the record's layer map.*attn_gate_layers"),
+    (dict(x0_layers=[0, 6]), "mudd needs the record's layer map.*x0_layers"),
+])
+def test_record_options_are_checked_by_name(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        speedrun_gpt(**{**SMALL, **overrides})

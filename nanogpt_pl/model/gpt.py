@@ -29,13 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import (
-    QK_NORM_EPS,  # noqa: F401  (re-exported: tests and benchmarks import it from here)
-    AttentionSpec,
-    CausalSelfAttention,
-    paired_positions,
-    segment_positions,
-)
+from .attention import AttentionSpec, CausalSelfAttention, paired_positions, segment_positions
 from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
 from .mlp import MLP
 from .mudd import (
