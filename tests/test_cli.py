@@ -119,6 +119,7 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
         "no_attn_gate.yaml": lambda c: c["model"]["gpt"]["attn_gate_layers"] == [],
         "no_key_offset.yaml": lambda c: c["model"]["gpt"]["key_offset_layers"] == [],
         "no_parallel_mlp.yaml": lambda c: c["model"]["gpt"]["parallel_mlp_layers"] == [],
+        "plain_network.yaml": lambda c: not c["model"]["gpt"]["mudd"] and c["model"]["gpt"]["x0_layers"] is None,
     }[ablation]
     assert expect(cfg)
 

@@ -23,7 +23,8 @@ from nanogpt_pl.cli import cli_main  # noqa: E402
 
 # the CLI is driven with explicit args from inside pytest (whose own argv it would otherwise see)
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
-ABLATIONS = ("no_mudd", "uniform_widths", "no_xsa", "no_attn_gate", "no_key_offset", "no_parallel_mlp")
+ABLATIONS = ("no_mudd", "uniform_widths", "no_xsa", "no_attn_gate", "no_key_offset", "no_parallel_mlp",
+             "plain_network")
 TINY_GPT = dict(model_dim=96, head_dim=16, mlp_hidden=64, ngram_rows=4096, fp8_mlp=False, fp8_head=False,
                 fp8_qkv=False)
 
@@ -75,7 +76,7 @@ def test_record_network_and_ablations_train_three_steps(tmp_path, ablation, one_
         losses.append(float(module.run_step(batch)))
     assert all(math.isfinite(v) for v in losses), losses
     cfg = module.gpt_config
-    if ablation == "no_mudd":
+    if ablation in ("no_mudd", "plain_network"):
         assert module.model.mudd is None and not cfg.mudd
     elif ablation == "uniform_widths":
         assert all(b.attn.spec.d_qk == b.attn.spec.d_v == cfg.head_dim for b in module.model.blocks if b.attn)
@@ -86,5 +87,5 @@ def test_record_network_and_ablations_train_three_steps(tmp_path, ablation, one_
     # the matrices moved (ANVIL) and MUDD's zero-initialized W₂ and its κ trained (Adam, every other step)
     moved = [n for n, p in module.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert "blocks.0.attn.qk_w" in moved and "blocks.10.mlp.fc_w" in moved
-    if ablation != "no_mudd":
+    if ablation not in ("no_mudd", "plain_network"):
         assert {"mudd.pre_gate.w2", "mudd.post_gate.w2", "mudd.gate_scale", "mudd.final_mix.w2g"} <= set(moved)

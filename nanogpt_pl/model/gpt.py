@@ -329,8 +329,9 @@ class Block(nn.Module):
     """One layer slot: optional attention, optional MLP (and parallel MLP), residual lambdas.
 
     RECORD §2 "Residual structure": x ← ρₐ·x + πₐ·attn(x̂) + g_x0·x0 + g_ng·x0_ngram, then
-    x ← ρₘ·x + πₘ·MLP(norm x). The skip target adds the gated skip instead of scaling by ρₐ;
-    a layer without attention keeps its ρₐ and injections (RECORD §2: layers 4, 7 and 9).
+    x ← ρₘ·x + πₘ·MLP(norm x). A skip target without attention adds the gated skip instead of
+    scaling by ρₐ (RECORD §2: layer 6); other layers without attention keep their ρₐ and
+    injections (layers 4, 7 and 9).
     """
 
     def __init__(self, cfg: GPTConfig, layer: int) -> None:
@@ -363,7 +364,7 @@ class Block(nn.Module):
                 x0: Tensor, x0_ngram: Optional[Tensor], gates: LayerGates) -> Tensor:
         rho = self.resid_lambdas.type_as(x)
         post = self.post_lambdas.type_as(x) if self.post_lambdas is not None else None
-        if not self.skip_target:
+        if self.attn is not None or not self.skip_target:  # RECORD §2: layer 6 only adds the skip
             x = rho[0] * x
         if self.attn is not None:
             x = x + self.attn(attn_in, ctx, ve, xsa_alpha=gates.xsa, gate=gates.attn_gate, o_gain=post[0])
