@@ -476,3 +476,13 @@ def test_describe_names_an_unknown_model_key(tmp_path):
 def test_record_options_are_checked_by_name(overrides, match):
     with pytest.raises(ValueError, match=match):
         speedrun_gpt(**{**SMALL, **overrides})
+
+
+def test_each_chain_runs_its_own_yarn_from_its_own_scale():
+    module = SpeedrunModule(gpt=speedrun_gpt(**{**SMALL, "ngram_rows": 0}))
+    # RECORD §2 "Split chains": short 128 → 384 → 640 → 768 and long 384 → 896 → 1408 → 1664 blocks·128
+    for (s0, l0), (s1, l1) in [((128, 384), (384, 896)), ((384, 896), (640, 1408)), ((640, 1408), (768, 1664))]:
+        module.set_windows(s1, l1, yarn_from=(s0, l0))
+    rot = module.model.rotaries
+    assert rot["short"].attn_scale == pytest.approx(0.1811, abs=5e-5)  # 0.13 → ≈0.1811
+    assert rot["long"].attn_scale == pytest.approx(0.1120, abs=5e-5)  # 0.085 → ≈0.1120
