@@ -29,6 +29,7 @@ from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
 from .optim.adam import DistAdam
 from .optim.combined import CombinedOptimizer
+from .optim.groups import adam_families, anvil_group
 from .optim.sparse_adam import SparseAdam
 from .schedule import Schedule
 
@@ -70,11 +71,19 @@ class OptimConfig:
         embed: settings of the token embedding.
         lm_head: settings of the lm_head.
         value_embeds: settings of the value-embedding tables.
-        scalars: settings of the scalar gates and lambdas.
+        scalars: settings of the scalar gates and lambdas not in a family below.
         ngram: settings of the n-gram table's lazy row Adam (RECORD §4; beta1 must be 0).
         sparse_value_embeds: value embeddings get compact gradients and update with the n-gram
             table in the ``sparse`` optimizer part, on the sparse cadence (RECORD §5); False keeps
             them in the dense Adam part.
+        smear_gate: the smear gate's weight (RECORD §8: lr ×0.01).
+        ve_gate: the value-embedding gates (lr ×1, decay ×1).
+        post_lambdas: the post-lambdas π (betas 0.9, 0.95).
+        resid_lambdas: the residual lambdas ρ (lr ×5, betas 0.9, 0.95).
+        mudd: MUDD's layer and final mix weights (lr ×0.25, decay ×1).
+        mudd_bias: their biases (no decay).
+        mudd_gate: MUDD's pre and post gate weights (lr ×0.1, decay ×1).
+        mudd_gate_bias: the gate biases and the gate scale κ (no decay).
     """
 
     matrix_optimizer: str = "anvil"
@@ -94,6 +103,16 @@ class OptimConfig:
     scalars: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.99), 0.0))
     ngram: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.0, 0.95), 5.0))
     sparse_value_embeds: bool = True
+    # RECORD §8 "Adam parameter groups": the small parameters by family (names matched in
+    # nanogpt_pl.optim.groups.ADAM_RULES)
+    smear_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.01, (0.9, 0.99), 0.0))
+    ve_gate: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.99), 1.0))
+    post_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.95), 0.0))
+    resid_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.95), 0.0))
+    mudd: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 1.0))
+    mudd_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 0.0))
+    mudd_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 1.0))
+    mudd_gate_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 0.0))
 
     def __post_init__(self) -> None:
         if self.matrix_optimizer not in ("anvil", "adamw"):
@@ -262,24 +281,26 @@ class SpeedrunModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o = self.optim_config
-        roles = self.model.param_roles()
         pg = self.process_group
         parts: dict[str, torch.optim.Optimizer] = {}
+        # which parameter goes where, and with which block shape and lr multiplier: by name (optim/groups.py)
+        matrices = anvil_group(self.model, self.gpt_config.head_dim)
         if o.matrix_optimizer == "anvil":
             from .optim.anvil import Anvil
 
-            parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+            parts["matrices"] = Anvil([matrices], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+                                      engage_step=self.schedule.anvil_engage_step,
                                       cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg)
         else:
-            parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
+            parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
                                          process_group=pg)
         sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
-        for name, g in (("embed", o.embed), ("lm_head", o.lm_head), ("value_embeds", o.value_embeds),
-                        ("scalars", o.scalars)):
-            if roles[name] and name not in sparse:
-                groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
+        for name, params in adam_families(self.model).items():
+            g = getattr(o, name)
+            if name not in sparse:
+                groups.append(dict(params=params, name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
                                    wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
                                  cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power)
@@ -485,6 +506,7 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        self._prefix = None  # RECORD §11: the prefix-table build is on the clock, so the timed run rebuilds it
         if self.sparse_channels is not None:
             if state.get("sparse") is None:
                 self.sparse_channels.reset_()

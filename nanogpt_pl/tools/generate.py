@@ -92,7 +92,7 @@ def load_for_sampling(checkpoint_path: str | Path, device: str | torch.device = 
         windows: (short, long) attention windows; default: the schedule's validation windows
             saved in the checkpoint.
     """
-    from ..distributed.ngram_shard import RANK_LOCAL_KEY, load_rank_local
+    from ..distributed.side_files import RANK_LOCAL_KEY, load_rank_local
 
     path = find_checkpoint(checkpoint_path)
     device = torch.device(device)
