@@ -48,21 +48,27 @@ INTERPRET = interpret_mode()  # read once: triton itself reads the variable at i
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two a tile can hold whole; the record uses 64 and 128 (RECORD §2)
 
-# Tile sizes per kernel, keyed by (d_qk, d_v). (block_m, block_n, num_warps, num_stages):
-# block_m is the query tile, block_n the key tile. The interpreter gets small tiles so that
-# the CPU tests cross many tile edges at a few hundred tokens.
+# Tile sizes per kernel and head width: (kind, wide) -> (block_m, block_n, num_warps,
+# num_stages), where block_m is the query tile, block_n the key tile and wide means a head
+# dimension above 64. Fixed rather than autotuned so the first step compiles each kernel
+# once; ``benchmarks/attention.py --sweep`` times the alternatives on the GPU.
+TILES = {
+    ("fwd", True): (128, 64, 8, 3),
+    ("fwd", False): (128, 64, 4, 3),
+    ("dkdv", True): (64, 128, 8, 2),
+    ("dkdv", False): (64, 128, 4, 3),
+    ("dq", True): (128, 64, 8, 2),
+    ("dq", False): (128, 64, 4, 3),
+}
+# The interpreter gets small tiles so that the CPU tests cross many tile edges at a few
+# hundred tokens.
 _INTERP_TILES = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
 
 
 def _tiles(kind: str, d_qk: int, d_v: int) -> tuple[int, int, int, int]:
     if INTERPRET:
         return _INTERP_TILES[kind]
-    wide = max(d_qk, d_v) > 64
-    if kind == "fwd":
-        return (128, 64, 8, 3) if wide else (128, 64, 4, 3)
-    if kind == "dkdv":
-        return (64, 128, 8, 2) if wide else (64, 128, 4, 3)
-    return (128, 64, 8, 2) if wide else (128, 64, 4, 3)
+    return TILES[(kind, max(d_qk, d_v) > 64)]
 
 
 # ---------------------------------------------------------------- forward
