@@ -223,7 +223,7 @@ def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters) -> None:
                 def step():
                     out = A.triton_packed_attention(q, k, v, cu, max_seqlen, window, SCALE)
                     out.backward(g)
-                ms = time_cuda(step, 1, max(3, iters // 4), [q, k, v]).median_ms
+                ms = time_cuda(step, 2, max(5, iters // 2), [q, k, v]).median_ms
                 print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} {ms:8.3f}")
             except Exception as e:  # a tile too large for shared memory fails to launch
                 print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} failed: {type(e).__name__}")
