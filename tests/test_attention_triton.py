@@ -141,17 +141,18 @@ def test_strided_views_and_backend_dispatch():
 @interp
 def test_window_zero_is_the_identity_on_values():
     """window 0: every query sees only itself, so the output is v and dq = dk = 0 (up to the
-    rounding of dO·V, formed by a dot, against rowsum(dO·O))."""
-    n, h = 96, 2
-    q, k, v = (torch.randn(n, h, 16) for _ in range(3))
-    cu = cu_from_lengths([40, 56], n)
+    rounding of dO·V, formed by a dot, against rowsum(dO·O)). The gradient of ``sum()`` arrives
+    as an expanded tensor of stride 0, which the backward must accept."""
     from nanogpt_pl.ops.triton.attention import triton_packed_attention
 
-    out, (dq, dk, dv) = _run(lambda a, b, c: triton_packed_attention(a, b, c, cu, n, 0, 0.3), q, k, v,
-                             torch.ones(n, h, 16))
-    torch.testing.assert_close(out, v)
-    assert dq.abs().max().item() < 1e-5 and dk.abs().max().item() < 1e-5
-    torch.testing.assert_close(dv, torch.ones(n, h, 16))
+    n, h = 96, 2
+    q, k, v = (torch.randn(n, h, 16).requires_grad_() for _ in range(3))
+    cu = cu_from_lengths([40, 56], n)
+    out = triton_packed_attention(q, k, v, cu, n, 0, 0.3)
+    out.sum().backward()
+    torch.testing.assert_close(out, v.detach())
+    assert q.grad.abs().max().item() < 1e-5 and k.grad.abs().max().item() < 1e-5
+    torch.testing.assert_close(v.grad, torch.ones(n, h, 16))
 
 
 # ---------------------------------------------------------------- GPU, bf16, record shapes

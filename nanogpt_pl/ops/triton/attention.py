@@ -375,13 +375,3 @@ def triton_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     row_lo, col_hi = visible_ranges(cu_seqlens, q.shape[0], int(window))
     return _PackedAttention.apply(q, k, v, row_lo, col_hi, float(scale))
 
-
-def flops(cu_seqlens: Tensor, n: int, window: int, heads: int, d_qk: int, d_v: int) -> tuple[float, float]:
-    """Forward and backward FLOPs of the visible pairs only (2 per multiply-add):
-    forward QKᵀ and PV; backward recomputed QKᵀ, dO·Vᵀ, dV, dK and dQ (the FlashAttention-2 count)."""
-    row_lo, _ = visible_ranges(cu_seqlens, n, window)
-    pairs = float((torch.arange(n, device=row_lo.device) - row_lo.long() + 1).sum())
-    fwd = 2 * pairs * heads * (d_qk + d_v)
-    bwd = 2 * pairs * heads * (3 * d_qk + 2 * d_v)  # QKᵀ, dK, dQ contract or emit d_qk; dO·Vᵀ, dV d_v
-    return fwd, bwd
-
