@@ -5,13 +5,15 @@ A micro-batch is one flat sequence of N tokens holding several documents; ``cu_s
 attention segment begins. A query attends to keys of its own segment that are at
 most ``window`` tokens behind it (FlashAttention's left window).
 
-Three kernels compute the same function:
+Four kernels compute the same function:
 
 - ``sdpa``: a dense boolean mask and ``F.scaled_dot_product_attention``; the reference,
   and the path that trains on CPU (flex attention has no CPU backward in torch 2.13).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen with a
   window); CUDA only, needs d_v == d_qk.
 - ``flex``: compiled ``flex_attention`` with a document + window block mask; CUDA.
+- ``triton``: our FlashAttention-2-style kernels (``nanogpt_pl.ops.triton.attention``); CUDA,
+  any d_qk, d_v in {16, 32, 64, 128}.
 
 ``auto`` picks varlen on CUDA when it exists and head sizes match, flex on CUDA
 otherwise, and sdpa on CPU. Layers whose value heads are wider than their query/key
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 
 from .rotary import apply_rotary
 
-BACKENDS = ("auto", "sdpa", "varlen", "flex")
+BACKENDS = ("auto", "sdpa", "varlen", "flex", "triton")
 
 
 def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -77,6 +79,14 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
             f"model.gpt.attention_backend={backend!r} needs a CUDA GPU but the model runs on {device}; "
             f"use 'sdpa' or 'auto' on CPU"
         )
+    if backend == "triton":
+        from nanogpt_pl.ops.triton import triton_usable
+
+        if not triton_usable(device):
+            raise RuntimeError(
+                f"model.gpt.attention_backend='triton' needs a CUDA GPU and triton but the model runs on {device}; "
+                f"use 'sdpa' or 'auto' on CPU"
+            )
     if backend == "varlen":
         if _varlen_fn() is None:
             raise RuntimeError(
@@ -171,6 +181,10 @@ def packed_attention(
         return attention_flex(q, k, v, cu_seqlens, window, scale)
     if backend == "flex":
         return attention_flex(q, k, v, cu_seqlens, window, scale)
+    if backend == "triton":
+        from nanogpt_pl.ops.triton.attention import triton_packed_attention
+
+        return triton_packed_attention(q, k, v, cu_seqlens, max_seqlen, window, scale)
     raise ValueError(f"unresolved attention backend {backend!r}")
 
 
