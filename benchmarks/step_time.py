@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,6 +40,7 @@ import lightning as L  # noqa: E402
 
 from callbacks.schedule import apply_schedule  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
+from nanogpt_pl.config_files import load_config  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, vendor datasheet
 
@@ -78,7 +78,7 @@ class _Clock(L.Callback):
 
 
 def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str]) -> tuple[list[str], dict]:
-    cfg = yaml.safe_load(Path(config).read_text())
+    cfg = load_config(config)
     sched = dict(cfg.get("schedule") or {})
     stages = sched.get("stages")
     if not stages:
@@ -185,7 +185,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
-    cfg = yaml.safe_load(Path(a.config).read_text())
+    cfg = load_config(a.config)
     train_glob = (cfg.get("data") or {}).get("train_files")
     corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
     total = a.warmup + a.steps

@@ -18,6 +18,7 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
+from .config_files import expand_config_bases
 from .data.datamodule import SpeedrunDataModule
 from .distributed.strategy import SpeedrunStrategy  # noqa: F401  (registers trainer.strategy: speedrun)
 from .module import SpeedrunModule
@@ -37,6 +38,9 @@ class SpeedrunCLI(LightningCLI):
 # optimizer step. That is what resuming needs here: the data stream, schedule and optimizer
 # state in the checkpoint all describe the state after the same step.
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+# cli_main always hands LightningCLI its arguments (``base:`` includes expanded, config_files.py),
+# which LightningCLI warns about when they came from the command line.
+warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
 
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bool = True) -> SpeedrunCLI:
@@ -49,7 +53,7 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bo
         SpeedrunModule,
         SpeedrunDataModule,
         save_config_kwargs={"overwrite": True},
-        args=args,
+        args=expand_config_bases(list(sys.argv[1:] if args is None else args)),
         run=run,
         **extra,
     )
