@@ -5,9 +5,9 @@ for ``--warmup`` untimed steps then ``--steps`` timed steps, at one stage of the
 config's schedule (its batch shape, windows and candidate count held fixed):
 
 - **lightning**: ``Trainer.fit`` with the config's module and data module (loggers,
-  checkpoints, validation and the config's callbacks off; the schedule callback on);
+  checkpoints, validation and the config's callbacks off; the module applies the schedule);
 - **plain**: a hand-written loop: ``next(stream)``, host-side candidate sets, copy to the
-  device, ``apply_schedule``, forward/backward/optimizer step through the same module
+  device, ``SpeedrunModule.apply_schedule``, forward/backward/optimizer step through the same module
   methods, no Trainer.
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
-from callbacks.schedule import apply_schedule  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
 from nanogpt_pl.config_files import load_config  # noqa: E402
 
@@ -147,7 +146,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False, c
                 cprof.enable()
         batch = module.prepare_batch(next(it), step)
         batch = module.transfer_batch_to_device(batch, device, 0)
-        apply_schedule(module, step)
+        module.apply_schedule(step)
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0

@@ -70,13 +70,15 @@ def record_tracks() -> list[TailTrack]:
     """RECORD §10's table."""
     ema_rate = 1 - (1 - 2 / 299) ** 2  # 2/299 per step, ticked on odd steps only (Adam cadence)
     return [
-        TailTrack("tail_ema", ["embed", "lm_head"], window=298, every=2, phase=1, rate=ema_rate,
+        TailTrack(name="tail_ema", params=["embed", "lm_head"], window=298, every=2, phase=1, rate=ema_rate,
                   last_rate=2 / 299, seed_at_start=True, blend=0.65),
-        TailTrack("tail_avg", ["vo", "mlp"], window=250, every=4, phase=1, rate=4 / 53, blend=1.0),
-        TailTrack("value_embed_ship", ["value_embeds"], window=250, every=4, phase=3, rate=4 / 53, blend=1.0),
-        TailTrack("bank_blend_qk", ["qk"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2, blend=0.55),
-        TailTrack("bank_blend_vo_mlp", ["vo", "mlp"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2,
-                  blend=0.55 - 0.2007),
+        TailTrack(name="tail_avg", params=["vo", "mlp"], window=250, every=4, phase=1, rate=4 / 53, blend=1.0),
+        TailTrack(name="value_embed_ship", params=["value_embeds"], window=250, every=4, phase=3, rate=4 / 53,
+                  blend=1.0),
+        TailTrack(name="bank_blend_qk", params=["qk"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2,
+                  blend=0.55),
+        TailTrack(name="bank_blend_vo_mlp", params=["vo", "mlp"], window=298, every=4, phase=1, rate=2 / 75,
+                  extra_last=2, blend=0.55 - 0.2007),
     ]
 
 
@@ -93,6 +95,7 @@ class TailAveraging(L.Callback):
         self.decontract = ["embed", "lm_head", "mlp", "qk", "vo"] if decontract is None else list(decontract)
         self._acc: dict[str, list[Tensor]] = {}
         self.shipped = False
+        self._pending: Optional[dict[str, Any]] = None  # a checkpoint's state, applied at train start
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
@@ -106,10 +109,7 @@ class TailAveraging(L.Callback):
         return out
 
     def _last_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
-        last = pl_module.schedule.total_steps
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            last = min(last, trainer.max_steps)
-        return last - 1
+        return pl_module.schedule.run_steps(trainer.max_steps) - 1
 
     def ticks(self, track: TailTrack, step: int, last: int) -> tuple[bool, bool]:
         """(ticks at ``step``, this tick is the seed) for a run whose final step is ``last``."""
@@ -169,7 +169,7 @@ class TailAveraging(L.Callback):
         self._pending = state_dict
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pending = getattr(self, "_pending", None)
+        pending = self._pending
         if pending is not None:
             device = pl_module.device
             self._acc = {k: [t.to(device) for t in v] for k, v in pending["acc"].items()}

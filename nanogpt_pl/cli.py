@@ -63,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``nanogpt-pl`` and ``main.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "data":
-        from .data.commands import main as data_main
+        from .data.commands import main as data_main  # the data commands' dependencies load only for `data`
 
         return data_main(argv[1:])
     cli_main(argv)

@@ -14,6 +14,8 @@ Callbacks change behaviour over time only through the small public hooks in the
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,12 +24,21 @@ import torch
 from torch import Tensor
 
 from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
+from .distributed.strategy import SpeedrunStrategy
+from .model.attention import resolve_backend
 from .model.gpt import GPT, GPTConfig
-from .ops.cross_entropy import CandidateSampler, full_cross_entropy, lm_head_loss
+from .ops.cross_entropy import CandidateSampler, build_prefix_table, full_cross_entropy, lm_head_loss
 from .optim.adam import DistAdam
+from .optim.anvil import Anvil
 from .optim.combined import CombinedOptimizer
 from .optim.sparse_adam import SparseAdam
 from .schedule import Schedule
+
+
+def micro_batches(batch: Any) -> list[dict[str, Any]]:
+    """A training step's batch as its list of micro-batches (the data module yields a list; a single
+    micro-batch may also come as a bare dict)."""
+    return batch if isinstance(batch, list) else [batch]
 
 
 @dataclass
@@ -85,11 +96,11 @@ class OptimConfig:
     cautious_wd: bool = True
     adam_decay_lr_power: int = 2
     shard_embeddings: bool = True
-    embed: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
-    lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
-    value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.75, 0.95), 5.0))
-    scalars: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.99), 0.0))
-    ngram: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.0, 0.95), 5.0))
+    embed: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=1.0, betas=(0.5, 0.95), wd_mul=150.0))
+    lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=1.0, betas=(0.5, 0.95), wd_mul=150.0))
+    value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.75, 0.95), wd_mul=5.0))
+    scalars: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=5.0, betas=(0.9, 0.99), wd_mul=0.0))
+    ngram: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.0, 0.95), wd_mul=5.0))
     sparse_value_embeds: bool = True
 
     def __post_init__(self) -> None:
@@ -183,17 +194,18 @@ class SpeedrunModule(L.LightningModule):
         self.sampler: Optional[SliceSamplers] = None
         # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
         self.sparse_channels: Optional[SparseChannels] = None
-        # the (possibly compiled) callable that runs the model; kept out of nn.Module's registry
-        # so the weights appear once in state_dict and checkpoints
-        self.__dict__["_forward"] = self.model
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
+        self._prefix: Optional[Tensor] = None  # the prefix-token table (RECORD §2), built on first use
+        # restored from a checkpoint before setup builds what they belong to
+        self._pending_sparse_state: Optional[dict[str, Any]] = None
+        self._pending_sampler_state: Optional[dict[str, dict]] = None
+        # dense-model FLOPs of this rank's last step (callbacks.throughput reads it for MFU)
+        self.flops_per_batch: Optional[int] = None
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.prepare_for_training(self.trainer.strategy.root_device, self.trainer.world_size, self.global_rank)
-        from .distributed.strategy import SpeedrunStrategy
-
         if (self.sparse_channels is not None and self.trainer.world_size > 1
                 and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
             raise RuntimeError(
@@ -221,17 +233,15 @@ class SpeedrunModule(L.LightningModule):
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
                                                          fixed_shapes=self.compile)
-            pending = getattr(self, "_pending_sparse_state", None)
-            if pending is not None and self.sparse_channels is not None:
-                self.sparse_channels.load_state_dict(pending)
+            if self._pending_sparse_state is not None and self.sparse_channels is not None:
+                self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None
         if self.compile:
-            self.__dict__["_forward"] = torch.compile(self.model, dynamic=False)
+            # compiled in place: the module keeps its parameters, so state_dict keys stay the same
+            self.model.compile(dynamic=False)
 
     def _check_device_options(self, device: torch.device) -> None:
         """Reject options this device cannot run, naming the option and the fix."""
-        from .model.attention import resolve_backend
-
         resolve_backend(self.gpt_config.attention_backend, device)
         cfg = self.gpt_config
         if device.type != "cuda":
@@ -241,8 +251,6 @@ class SpeedrunModule(L.LightningModule):
                     "use fp8_backend: emulated (or auto) on CPU"
                 )
             if self.loss_backend == "triton":
-                import os
-
                 if os.environ.get("TRITON_INTERPRET") != "1":
                     raise RuntimeError(
                         "model.loss_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
@@ -259,8 +267,6 @@ class SpeedrunModule(L.LightningModule):
         pg = self.process_group
         parts: dict[str, torch.optim.Optimizer] = {}
         if o.matrix_optimizer == "anvil":
-            from .optim.anvil import Anvil
-
             parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
                                       cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg)
         else:
@@ -283,7 +289,30 @@ class SpeedrunModule(L.LightningModule):
                                          groups=settings)
         return CombinedOptimizer(parts)
 
-    # -- schedule hooks (called by callbacks.schedule.ScheduleCallback) ---------------
+    # -- schedule hooks ------------------------------------------------------------------
+    def apply_schedule(self, step: int, previous_step: Optional[int] = None) -> None:
+        """Set ``step``'s schedule values through the hooks below.
+
+        Every value is a pure function of the step (``schedule.py``), so a resumed run applies
+        exactly what the straight run would have. YaRN fires when the windows of ``step`` differ
+        from those of ``previous_step`` (default ``step - 1``), the step whose windows the rotary
+        state currently reflects (the speedrun timer's warmup visits steps out of order).
+        """
+        sched = self.schedule
+        self.set_lr_scale(sched.lr_mul(step))
+        self.set_momentum(sched.momentum(step))
+        short, long = sched.windows(step)
+        if previous_step is None:
+            previous_step = step - 1
+        prev = sched.windows(previous_step) if previous_step >= 0 else (short, long)
+        self.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
+        self.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
+        self.set_active_parts(self.active_parts_for(step))
+        self.set_tied(sched.tied(step), untie_now=step > 0 and sched.tied(step - 1) and not sched.tied(step))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.apply_schedule(self.global_step)
+
     def set_lr_scale(self, scale: float) -> None:
         """Set every param group's lr to its initial lr times ``scale``."""
         for group in self._combined().param_groups:
@@ -358,7 +387,7 @@ class SpeedrunModule(L.LightningModule):
         Adds each micro-batch's sampled-softmax candidate set (built on the CPU copy of the
         targets, RECORD §6) and its prefix-token targets when the schedule uses them.
         """
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         num = self.schedule.candidates(step)
         prefix = self.schedule.prefix_weight(step) > 0
         world, rank = self._world
@@ -371,9 +400,7 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _prefix_table(self) -> Tensor:
-        if getattr(self, "_prefix", None) is None:
-            from .ops.cross_entropy import build_prefix_table
-
+        if self._prefix is None:  # built on first use: it needs the tokenizer's files
             self._prefix = build_prefix_table(vocab_size=self.gpt_config.vocab_size)
         return self._prefix
 
@@ -383,7 +410,7 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
-        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
+        hidden = self.model(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
                                **(sparse or {}))
         s = self.settings
         head = self.model.fp8_head
@@ -402,7 +429,7 @@ class SpeedrunModule(L.LightningModule):
         its untimed warmup steps.
         """
         opt = self._plain_optimizer if self._plain_optimizer is not None else self.optimizers()
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         total = torch.zeros((), device=self.device)
         for mb in micro:
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
@@ -438,9 +465,8 @@ class SpeedrunModule(L.LightningModule):
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
         step = self.global_step  # optimizer steps completed before this one
         mean_loss = self.run_step(batch)
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         tokens = sum(mb["inputs"].numel() for mb in micro)
-        # read by callbacks.throughput (ThroughputMonitor): dense-model FLOPs of this rank's step
         self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
                                                                        *self.settings.windows)
         self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
@@ -453,8 +479,6 @@ class SpeedrunModule(L.LightningModule):
     # -- state capture (the speedrun timer resets to the start after its warmup) -------
     def capture_state(self) -> dict[str, Any]:
         """A deep copy of everything training changes: weights, buffers, optimizer, sampler."""
-        import copy
-
         return {
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self._combined().state_dict()),
@@ -467,8 +491,6 @@ class SpeedrunModule(L.LightningModule):
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Return to a state from :meth:`capture_state`; gradients are cleared."""
-        import copy
-
         self.model.load_state_dict(state["model"])
         combined = self._combined()
         for part in combined.parts.values():
@@ -495,10 +517,7 @@ class SpeedrunModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Stop after the schedule's last step so the final validation runs (Lightning validates
         # when training is asked to stop).
-        last = self.schedule.total_steps
-        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
-            last = min(last, self.trainer.max_steps)
-        if self.global_step >= last:
+        if self.global_step >= self.schedule.run_steps(self.trainer.max_steps):
             self.trainer.should_stop = True
 
     # -- checkpoint ----------------------------------------------------------------
@@ -532,12 +551,8 @@ class SpeedrunModule(L.LightningModule):
                 self.sparse_channels.load_state_dict(sparse)
 
     def on_train_start(self) -> None:
-        pending = getattr(self, "_pending_sampler_state", None)
-        if pending is not None and self.sampler is not None:
-            self.sampler.load_state_dict(pending)
+        if self._pending_sampler_state is not None and self.sampler is not None:
+            self.sampler.load_state_dict(self._pending_sampler_state)
             self._pending_sampler_state = None
 
-    def configure_callbacks(self):
-        from callbacks.schedule import ScheduleCallback
 
-        return [ScheduleCallback()]

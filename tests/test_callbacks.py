@@ -17,7 +17,7 @@ from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, w
 
 from callbacks.ema import TailAveraging, TailTrack  # noqa: E402
 from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps  # noqa: E402
-from nanogpt_pl.schedule import Schedule  # noqa: E402
+from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
 
 # -- tail averaging against a plain reference ------------------------------------------------
 
@@ -32,8 +32,8 @@ class _Model(torch.nn.Module):
 
 
 def _fake(total_steps: int, gen):
-    module = SimpleNamespace(model=_Model(gen), schedule=SimpleNamespace(total_steps=total_steps),
-                             device=torch.device("cpu"))
+    schedule = Schedule(stages=[Stage(steps=total_steps, batch_tokens=1024, seq_len=512, max_doc_len=256)])
+    module = SimpleNamespace(model=_Model(gen), schedule=schedule, device=torch.device("cpu"))
     trainer = SimpleNamespace(global_step=0, max_steps=-1)
     return module, trainer
 
@@ -62,8 +62,9 @@ def test_tail_tracks_and_ship_match_reference(seed):
     gen = torch.Generator().manual_seed(seed)
     total = 40
     tracks = [
-        TailTrack("ema", ["fa"], window=20, every=2, phase=1, rate=0.2, last_rate=0.1, seed_at_start=True, blend=0.65),
-        TailTrack("avg", ["fb"], window=12, every=4, phase=1, rate=0.3, extra_last=2, blend=1.0),
+        TailTrack(name="ema", params=["fa"], window=20, every=2, phase=1, rate=0.2, last_rate=0.1, seed_at_start=True,
+                  blend=0.65),
+        TailTrack(name="avg", params=["fb"], window=12, every=4, phase=1, rate=0.3, extra_last=2, blend=1.0),
     ]
     cb = TailAveraging(tracks=tracks, decontract=["fa"])
     module, trainer = _fake(total, gen)
@@ -95,7 +96,7 @@ def test_tail_tracks_and_ship_match_reference(seed):
 def test_tail_state_survives_a_checkpoint():
     gen = torch.Generator().manual_seed(1)
     total = 30
-    tracks = [TailTrack("avg", ["fa", "fb"], window=16, every=2, phase=0, rate=0.25, blend=1.0)]
+    tracks = [TailTrack(name="avg", params=["fa", "fb"], window=16, every=2, phase=0, rate=0.25, blend=1.0)]
     straight = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
     resumed = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
     m1, t1 = _fake(total, gen)

@@ -68,7 +68,7 @@ def tiny_gpt(**kw: Any) -> GPTConfig:
 
 
 def tiny_optim(**kw: Any) -> OptimConfig:
-    flat = AdamGroup(1.0, (0.9, 0.95), 0.0)
+    flat = AdamGroup(lr_mul=1.0, betas=(0.9, 0.95), wd_mul=0.0)
     base = dict(matrix_optimizer="adamw", matrix_lr=3e-3, matrix_weight_decay=0.0, adam_lr=3e-3,
                 adam_weight_decay=0.0, embed=flat, lm_head=flat, value_embeds=flat, scalars=flat)
     base.update(kw)

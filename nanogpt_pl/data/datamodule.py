@@ -83,7 +83,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     # -- data location -----------------------------------------------------------------
     def _corpus_files(self, build: bool) -> tuple[str, str]:
-        from nanogpt_pl.data.corpus import build_corpus
+        from nanogpt_pl.data.corpus import build_corpus  # the corpus builder loads only for the embedded corpus
 
         info = build_corpus(progress=build)
         return info.train_pattern, info.val_pattern
@@ -127,11 +127,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     def stop_step(self) -> int:
         """The stream's last step + 1: the schedule's end, or ``trainer.max_steps`` if smaller."""
-        stop = self.schedule.total_steps
-        trainer = self.trainer
-        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
-            stop = min(stop, trainer.max_steps)
-        return stop
+        return self.schedule.run_steps(None if self.trainer is None else self.trainer.max_steps)
 
     def train_dataloader(self) -> TrainStream:
         """The training stream (an iterable without ``__len__``, resumable via ``state_dict``)."""

@@ -145,7 +145,7 @@ def iter_documents(paths: Iterable[Path], text_field: str = "text",
                     yield value
         elif kind == ".parquet":
             try:
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # pyarrow is optional (parquet input only)
             except ImportError as e:
                 raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
             pf = pq.ParquetFile(path)
@@ -322,7 +322,7 @@ def prepare(
         for p in existing:
             p.unlink()
 
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm only while preparing
 
     val = ShardWriter(out, name, "val", 0, shard_tokens)
     train = ShardWriter(out, name, "train", 1, shard_tokens)

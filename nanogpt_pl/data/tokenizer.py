@@ -119,7 +119,7 @@ def seed_cache(source: str | os.PathLike | None = None) -> Path:
 def get_encoding():
     """tiktoken's ``r50k_base`` encoding, read from the offline cache when seeded."""
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(cache_dir()))
-    import tiktoken
+    import tiktoken  # after TIKTOKEN_CACHE_DIR is set; loads only to tokenize
 
     try:
         return tiktoken.get_encoding(ENCODING_NAME)

@@ -42,7 +42,7 @@ def segment_positions(cu_seqlens: Tensor, n: int) -> Tensor:
 
 def _varlen_fn():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # optional: torch >= 2.9
     except ImportError:
         return None
     return varlen_attn
@@ -116,14 +116,14 @@ _flex_compiled = None
 def _flex():
     global _flex_compiled
     if _flex_compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import flex_attention  # flex attention loads only when chosen
 
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return _flex_compiled
 
 
 def attention_flex(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # flex attention loads only when chosen
 
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)

@@ -181,14 +181,14 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = nn.Parameter(torch.zeros(cfg.num_heads, 2 * GATE_CHANNELS)) if value_embed else None
         self.fp8_qkv = cfg.fp8_qkv
         if cfg.fp8_qkv:
-            from ..ops.fp8 import Fp8LinearState
+            from ..ops.fp8 import Fp8LinearState  # FP8 (and Triton) load only when used
 
             self.fp8_state = Fp8LinearState(backend=cfg.fp8_backend)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = x.shape[0]
         if self.fp8_qkv and self.training:
-            from ..ops.fp8 import fp8_linear
+            from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
 
             # the weight parts are passed separately so the FP8 cache follows each one's version
             qkv = fp8_linear(x, (self.qk_w.flatten(0, 1), self.v_w), self.fp8_state)
@@ -277,7 +277,7 @@ class GPT(nn.Module):
             self.skip_lambda = nn.Parameter(torch.tensor(SKIP_LAMBDA_INIT))
         self.fp8_head = None
         if cfg.fp8_head:
-            from ..ops.fp8 import Fp8Head
+            from ..ops.fp8 import Fp8Head  # FP8 (and Triton) load only when used
 
             # the lm_head GEMMs of the training loss (RECORD §7); validation stays bf16
             self.fp8_head = Fp8Head(backend=cfg.fp8_backend)

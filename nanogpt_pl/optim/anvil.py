@@ -178,6 +178,7 @@ class _Fused:
         try:
             out = self.compiled(*args)
         except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            # error path only; torch._dynamo is slow to import
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
             if not isinstance(err, (BackendCompilerFailed, Unsupported, TorchRuntimeError)):
@@ -382,7 +383,7 @@ class Anvil(torch.optim.Optimizer):
                 if id(p) in seen:
                     raise ValueError(f"Anvil got the parameter of shape {tuple(p.shape)} twice; pass each matrix once")
                 seen.add(id(p))
-        if getattr(self, "_ready", False):
+        if self._ready:  # set before Optimizer.__init__ adds the first groups
             self._check_params()
             self._scalars = _ScalarStager(len(self.param_groups), self.device)
             for bank in self._banks:  # their graphs read the old scalar buffer

@@ -86,7 +86,7 @@ def _triton_usable(device: torch.device) -> bool:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (optional: Triton may be absent)
     except ImportError:
         return False
     return True
@@ -140,7 +140,7 @@ def polar_cascade(
             raise ValueError("the Triton cascade runs in bf16 only; use backend='torch' for dtype=float32")
         which = "torch"
     if which == "triton":
-        from ..ops.triton import polar as kernels
+        from ..ops.triton import polar as kernels  # Triton is optional: its kernels load only when chosen
 
         gram_fn, poly_fn, mm_fn = kernels.gram, kernels.poly_square, kernels.matmul_add
     else:
