@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .backends import Backends
 from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
 from .distributed.strategy import SpeedrunStrategy
 from .model.attention import resolve_backend
@@ -153,7 +154,7 @@ class StepSettings:
 
 # Checkpoints store the hyperparameters as these dataclasses; allow them under torch.load's
 # weights_only unpickler (Lightning loads checkpoints with it by default).
-torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup])
+torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup, Backends])
 
 
 class SpeedrunModule(L.LightningModule):
@@ -163,8 +164,9 @@ class SpeedrunModule(L.LightningModule):
         gpt: the model's shape and techniques.
         optim: the optimizers.
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
+        backends: the implementation of each numerical part (attention, FP8, loss, ANVIL's polar
+            cascade), all in one section (``nanogpt_pl.backends.Backends``).
         compile: compile the model's forward with ``torch.compile``.
-        loss_backend: ``auto``, ``reference`` or ``triton`` for the training loss kernel.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
     """
@@ -174,8 +176,8 @@ class SpeedrunModule(L.LightningModule):
         gpt: GPTConfig = GPTConfig(),
         optim: OptimConfig = OptimConfig(),
         schedule: Optional[Schedule] = None,
+        backends: Backends = Backends(),
         compile: bool = False,
-        loss_backend: str = "auto",
         param_dtype: str = "auto",
     ) -> None:
         super().__init__()
@@ -184,12 +186,12 @@ class SpeedrunModule(L.LightningModule):
         self.gpt_config = gpt
         self.optim_config = optim
         self.schedule = schedule if schedule is not None else Schedule()
+        self.backends = backends
         self.compile = compile
-        self.loss_backend = loss_backend
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
-        self.model = GPT(gpt)
+        self.model = GPT(gpt, backends)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None
         # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
@@ -242,19 +244,19 @@ class SpeedrunModule(L.LightningModule):
 
     def _check_device_options(self, device: torch.device) -> None:
         """Reject options this device cannot run, naming the option and the fix."""
-        resolve_backend(self.gpt_config.attention_backend, device)
+        resolve_backend(self.backends.attention, device)
         cfg = self.gpt_config
         if device.type != "cuda":
-            if cfg.fp8_backend == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
+            if self.backends.fp8 == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
-                    "model.gpt.fp8_backend='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
-                    "use fp8_backend: emulated (or auto) on CPU"
+                    "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
+                    "use model.backends.fp8: auto on CPU"
                 )
-            if self.loss_backend == "triton":
+            if self.backends.loss == "triton":
                 if os.environ.get("TRITON_INTERPRET") != "1":
                     raise RuntimeError(
-                        "model.loss_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
-                        "use loss_backend: auto or reference on CPU"
+                        "model.backends.loss='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
+                        "use model.backends.loss: auto or reference on CPU"
                     )
 
     @property
@@ -268,7 +270,8 @@ class SpeedrunModule(L.LightningModule):
         parts: dict[str, torch.optim.Optimizer] = {}
         if o.matrix_optimizer == "anvil":
             parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
-                                      cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg)
+                                      cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg,
+                                      backend=self.backends.polar)
         else:
             parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
@@ -418,7 +421,7 @@ class SpeedrunModule(L.LightningModule):
             head.loss_rows = hidden.shape[0]  # the loss is a mean over these rows
         return lm_head_loss(
             hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
-            prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
+            prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.backends.loss,
             head=head,
         )
 

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import copy
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, write_markov_shards  # noqa: E402
-
-from callbacks.ema import TailAveraging, TailTrack  # noqa: E402
-from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps  # noqa: E402
-from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
+from callbacks.ema import TailAveraging, TailTrack, record_tracks
+from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps
+from callbacks.throughput import SpeedrunThroughput
+from nanogpt_pl.schedule import Schedule, Stage
 
 # -- tail averaging against a plain reference ------------------------------------------------
 
@@ -120,8 +117,6 @@ def test_tail_state_survives_a_checkpoint():
 
 
 def test_record_tracks_match_the_table():
-    from callbacks.ema import record_tracks
-
     tracks = {t.name: t for t in record_tracks()}
     assert tracks["tail_ema"].window == 298 and tracks["tail_ema"].blend == 0.65
     assert abs(tracks["tail_ema"].rate - 0.013333) < 1e-5 and abs(tracks["tail_ema"].last_rate - 2 / 299) < 1e-12
@@ -143,11 +138,6 @@ def test_default_warmup_steps_cover_every_configuration():
     assert {0, 1, 965, 966} <= set(steps)
     assert {514, 336, 339, 1175, 1176, 1177, 1178} <= set(steps)
     assert len(steps) <= 40 and default_warmup_steps(Schedule(), limit=10) == steps[:10]
-
-
-@pytest.fixture(scope="module")
-def toy_files(tmp_path_factory):
-    return write_markov_shards(tmp_path_factory.mktemp("toy"))
 
 
 class _Snapshot(L.Callback):
@@ -186,3 +176,22 @@ def test_timer_warmup_resets_everything_and_excludes_validation(toy_files, tmp_p
     val_batches = 4096 // 1024
     assert 0 < timer.elapsed < wall - 0.5 * val_batches  # the slow validation is off the clock
     assert not timer.reached
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+def test_throughput_logs_what_lightnings_meter_computes(toy_files, tmp_path):
+    steps, window = 6, 3
+    module, data = make_run(toy_files, tiny_schedule(steps))
+    meter = SpeedrunThroughput(window_size=window, available_flops=1e12)
+    trainer = make_trainer(tmp_path, callbacks=[meter])
+    trainer.fit(module, data)
+    # every step's micro-batches and tokens were counted (1,024 tokens as 2 micro-batches of 512)
+    assert (meter.steps, meter.micro_batches, meter.tokens) == (steps, 2 * steps, 1024 * steps)
+    rates = meter.meter.compute()
+    logged = trainer.callback_metrics
+    assert float(logged["train/tokens_per_s"]) == pytest.approx(rates["device/items_per_sec"])
+    assert float(logged["train/device/items_per_sec"]) == pytest.approx(rates["device/items_per_sec"])
+    assert float(logged["train/device/mfu"]) == pytest.approx(rates["device/flops_per_sec"] / 1e12)
+    # the window's FLOPs are the module's per-step figure: tokens x dense FLOPs per token
+    assert module.flops_per_batch == 1024 * module.gpt_config.flops_per_token(512, 64, 256)

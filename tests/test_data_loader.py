@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import (  # noqa: E402
+from data_fixtures import (
     BOS,
     random_documents,
     read_tokens,
@@ -21,8 +16,8 @@ from data_fixtures import (  # noqa: E402
     write_random_shards,
 )
 
-from nanogpt_pl.data import loader as loader_mod  # noqa: E402
-from nanogpt_pl.data.loader import (  # noqa: E402
+from nanogpt_pl.data import loader as loader_mod
+from nanogpt_pl.data.loader import (
     DataExhaustedError,
     DocumentTooLongError,
     TrainStream,
@@ -31,7 +26,7 @@ from nanogpt_pl.data.loader import (  # noqa: E402
     max_num_docs,
     pack_cu_seqlens,
 )
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
+from nanogpt_pl.data.shards import ShardError, write_shard
 
 
 def _stream(paths, schedule, **kw):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanogpt_pl.backends import Backends
 from nanogpt_pl.model.gpt import GPT, GPTConfig
 from nanogpt_pl.ops.cross_entropy import lm_head_loss
 from nanogpt_pl.ops.fp8 import Fp8Head
@@ -39,13 +40,13 @@ def markov_batches(steps: int, n_seq: int, seq_len: int, seed: int, device: str,
 
 
 def train(cfg: GPTConfig, batches: list[torch.Tensor], device: str, dtype: torch.dtype, lr: float,
-          loss_backend: str, windows: tuple[int, int]) -> list[float]:
+          loss_backend: str, windows: tuple[int, int], backends: Backends = Backends()) -> list[float]:
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg, backends).to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     fp8 = cfg.fp8_head
-    head = Fp8Head(backend=cfg.fp8_backend).to(device) if fp8 else None
+    head = Fp8Head(backend=backends.fp8).to(device) if fp8 else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
     n_seq, width = batches[0].shape
     seq_len = width - 1
@@ -82,10 +83,10 @@ def test_emulated_fp8_training_tracks_fp32_on_cpu():
     """The same comparison on the CPU, small and short: the emulated path end to end."""
     batches = markov_batches(steps=20, n_seq=4, seq_len=64, seed=0, device="cpu", vocab=32)
     kw = dict(num_layers=2, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128, vocab_size=MARKOV_VOCAB,
-              long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None,
-              fp8_backend="emulated", attention_backend="sdpa")
-    ref = train(_config(False, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
-    got = train(_config(True, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
+              long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None)
+    cpu = Backends(attention="sdpa", fp8="emulated")
+    ref = train(_config(False, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64), cpu)
+    got = train(_config(True, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64), cpu)
     assert ref[-1] < 0.5 * ref[0], "the reference run must learn"
     # Measured: 0.25% apart after 20 steps; FP8 noise, not a different trajectory.
     assert abs(_tail(got, 5) - _tail(ref, 5)) / _tail(ref, 5) < 0.02, (got[-5:], ref[-5:])

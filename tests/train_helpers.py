@@ -11,6 +11,7 @@ import torch
 
 from nanogpt_pl.data.datamodule import SpeedrunDataModule
 from nanogpt_pl.data.shards import write_shard
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
 from nanogpt_pl.distributed.strategy import SpeedrunStrategy
 from nanogpt_pl.model.gpt import GPTConfig
 from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule
@@ -61,7 +62,7 @@ def tiny_schedule(steps: int = 20, batch_tokens: int = 1024, seq_len: int = 512,
 
 
 def tiny_gpt(**kw: Any) -> GPTConfig:
-    base = dict(vocab_size=50304, num_layers=3, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
+    base = dict(vocab_size=PADDED_VOCAB, num_layers=3, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
                 long_window_layers=[2], value_embed_layers=[1], skip_from=0, skip_to=2)
     base.update(kw)
     return GPTConfig(**base)

@@ -9,7 +9,7 @@ import lightning as L
 
 from nanogpt_pl.data.loader import TrainStream, ValidationSet, check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
-from nanogpt_pl.data.tokenizer import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
 from nanogpt_pl.schedule import Schedule
 
 # RECORD.md §12: 10,485,760 validation tokens = 5 batches of 262,144 tokens on each of 8 ranks.
@@ -52,7 +52,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         corpus: Optional[str] = None,
         val_tokens: int = RECORD_VAL_TOKENS,
         val_seq_len: int = RECORD_VAL_SEQ_LEN,
-        vocab_size: int = VOCAB_SIZE,
+        vocab_size: int = TOKENIZER_VOCAB,
         prefetch: int = 8,
         epochs: int = 1,
         long_documents: str = "truncate",

@@ -47,7 +47,7 @@ from nanogpt_pl.data.shards import (
     open_shard,
     read_header,
 )
-from nanogpt_pl.data.tokenizer import EOT_TOKEN, VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import EOT_TOKEN, TOKENIZER_VOCAB
 from nanogpt_pl.schedule import Schedule
 
 # RECORD.md §1: every document is prefixed by <|endoftext|>, which serves as the BOS.
@@ -154,7 +154,7 @@ class ShardSet:
         option: the config option the files came from, named in errors.
     """
 
-    def __init__(self, files: Files, vocab_size: Optional[int] = VOCAB_SIZE, option: str = "data.train_files"):
+    def __init__(self, files: Files, vocab_size: Optional[int] = TOKENIZER_VOCAB, option: str = "data.train_files"):
         if isinstance(files, (str, Path)):
             self.paths = list_shards(files, option)
         else:
@@ -516,7 +516,7 @@ class TrainStream:
         schedule: Optional[Schedule] = None,
         world_size: int = 1,
         rank: int = 0,
-        vocab_size: Optional[int] = VOCAB_SIZE,
+        vocab_size: Optional[int] = TOKENIZER_VOCAB,
         prefetch: int = 8,
         start_step: int = 0,
         stop_step: Optional[int] = None,
@@ -672,7 +672,7 @@ class ValidationSet:
         val_seq_len: int,
         world_size: int = 1,
         rank: int = 0,
-        vocab_size: Optional[int] = VOCAB_SIZE,
+        vocab_size: Optional[int] = TOKENIZER_VOCAB,
         pin_memory: Optional[bool] = None,
         option: str = "data.val_files",
     ):

@@ -27,7 +27,10 @@ WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator / BOS of every document
-VOCAB_SIZE = 50257  # ids the tokenizer can produce; the model pads to 50,304
+TOKENIZER_VOCAB = 50257  # ids the GPT-2 tokenizer can produce (token files hold ids below it)
+# RECORD §2: the model's rows (embeddings, lm_head, candidate sweep) are the tokenizer's ids padded
+# to a multiple of 128; ids 50,257..50,303 never occur in data.
+PADDED_VOCAB = 50304
 
 
 def cache_dir() -> Path:

@@ -51,7 +51,7 @@ def _varlen_fn():
 def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
     """Map ``auto`` to a concrete kernel and reject kernels the device cannot run."""
     if backend not in BACKENDS:
-        raise ValueError(f"model.gpt.attention_backend={backend!r}: choose one of {BACKENDS}")
+        raise ValueError(f"model.backends.attention={backend!r}: choose one of {BACKENDS}")
     if backend == "auto":
         if device.type != "cuda":
             return "sdpa"
@@ -60,17 +60,17 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
         return "flex"
     if backend in ("varlen", "flex") and device.type != "cuda":
         raise RuntimeError(
-            f"model.gpt.attention_backend={backend!r} needs a CUDA GPU but the model runs on {device}; "
+            f"model.backends.attention={backend!r} needs a CUDA GPU but the model runs on {device}; "
             f"use 'sdpa' or 'auto' on CPU"
         )
     if backend == "varlen":
         if _varlen_fn() is None:
             raise RuntimeError(
-                "model.gpt.attention_backend='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
+                "model.backends.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
                 "use 'flex' or 'auto'"
             )
         if not same_head_dims:
-            raise ValueError("model.gpt.attention_backend='varlen' needs equal query and value head sizes; use 'flex'")
+            raise ValueError("model.backends.attention='varlen' needs equal query and value head sizes; use 'flex'")
     return backend
 
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import Backends
+from ..data.tokenizer import PADDED_VOCAB
 from .attention import packed_attention, resolve_backend, segment_positions
 from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
 from .mlp import FC_INIT_GAIN, MLP
@@ -57,11 +59,9 @@ class GPTConfig:
         skip_to: see ``skip_from``.
         smear: mix a gated copy of the previous token's embedding into each token's embedding.
         attn_scale: softmax scale of attention before YaRN (RECORD §2 uses 0.13 / 0.085 per width).
-        attention_backend: ``auto``, ``sdpa`` (dense reference, CPU), ``varlen`` or ``flex`` (CUDA).
         fp8_mlp: run the MLP matmuls in FP8 (CUDA, or emulated on CPU).
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
-        fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``emulated``.
         ngram_rows: rows of the hashed bigram + trigram table (RECORD §3: 84,602,880); 0 = no
             n-gram channel. The table lives outside the model (``nanogpt_pl.distributed.ngram_shard``);
             ``forward`` receives the rows a batch needs as ``ngram``.
@@ -69,7 +69,7 @@ class GPTConfig:
             its own scalar gate (RECORD §3 "Injection": 1, 4, 5, 9; plus the residual start).
     """
 
-    vocab_size: int = 50304
+    vocab_size: int = PADDED_VOCAB
     num_layers: int = 11
     model_dim: int = 768
     num_heads: int = 6
@@ -83,11 +83,9 @@ class GPTConfig:
     skip_to: Optional[int] = 6
     smear: bool = True
     attn_scale: float = 0.12
-    attention_backend: str = "auto"
     fp8_mlp: bool = False
     fp8_head: bool = False
     fp8_qkv: bool = False
-    fp8_backend: str = "auto"
     ngram_rows: int = 0
     ngram_layers: list[int] = field(default_factory=lambda: [1, 4, 5, 9])
 
@@ -165,12 +163,12 @@ class PackedContext:
 class CausalSelfAttention(nn.Module):
     """QK-normed rotary attention over packed documents, with an optional value embedding."""
 
-    def __init__(self, cfg: GPTConfig, chain: str, value_embed: bool) -> None:
+    def __init__(self, cfg: GPTConfig, chain: str, value_embed: bool, backends: Backends) -> None:
         super().__init__()
         hd_total = cfg.num_heads * cfg.head_dim
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.chain = chain  # "short" or "long": which window, rotary table and scale it uses
-        self.backend = cfg.attention_backend
+        self.backend = backends.attention
         bound = math.sqrt(3) * FC_INIT_GAIN * cfg.model_dim**-0.5  # RECORD §2: qk/vo banks U(±0.03125)
         self.qk_w = nn.Parameter(torch.empty(2, hd_total, cfg.model_dim).uniform_(-bound, bound))
         self.v_w = nn.Parameter(torch.empty(hd_total, cfg.model_dim).uniform_(-bound, bound))
@@ -183,7 +181,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.fp8_qkv:
             from ..ops.fp8 import Fp8LinearState  # FP8 (and Triton) load only when used
 
-            self.fp8_state = Fp8LinearState(backend=cfg.fp8_backend)
+            self.fp8_state = Fp8LinearState(backend=backends.fp8)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = x.shape[0]
@@ -218,16 +216,16 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """One layer slot: optional attention, optional MLP, the x0 skip and residual scales."""
 
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, backends: Backends) -> None:
         super().__init__()
         chain = "long" if layer in cfg.long_window_layers else "short"
         self.attn = (
-            CausalSelfAttention(cfg, chain, layer in cfg.value_embed_layers)
+            CausalSelfAttention(cfg, chain, layer in cfg.value_embed_layers, backends)
             if cfg.has_attention(layer)
             else None
         )
         self.mlp = (
-            MLP(cfg.model_dim, cfg.mlp_hidden, fp8=cfg.fp8_mlp, fp8_backend=cfg.fp8_backend)
+            MLP(cfg.model_dim, cfg.mlp_hidden, fp8=cfg.fp8_mlp, fp8_backend=backends.fp8)
             if cfg.has_mlp(layer)
             else None
         )
@@ -251,9 +249,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids of a packed micro-batch -> final normalized hidden states."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, backends: Optional[Backends] = None) -> None:
+        """``backends``: the attention and FP8 implementations (``model.backends``); default all ``auto``."""
         super().__init__()
         self.cfg = cfg
+        backends = Backends() if backends is None else backends
         d = cfg.model_dim
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d) * LM_HEAD_INIT_STD)
         # RECORD §2: the embedding starts as a copy of the lm_head (the training module keeps the
@@ -269,7 +269,7 @@ class GPT(nn.Module):
         self.rotaries = nn.ModuleDict(
             {"short": Rotary(cfg.head_dim, cfg.attn_scale), "long": Rotary(cfg.head_dim, cfg.attn_scale)}
         )
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i, backends) for i in range(cfg.num_layers))
         if cfg.smear:
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_CHANNELS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -280,7 +280,7 @@ class GPT(nn.Module):
             from ..ops.fp8 import Fp8Head  # FP8 (and Triton) load only when used
 
             # the lm_head GEMMs of the training loss (RECORD §7); validation stays bf16
-            self.fp8_head = Fp8Head(backend=cfg.fp8_backend)
+            self.fp8_head = Fp8Head(backend=backends.fp8)
 
     # -- embeddings ------------------------------------------------------------------
     def _embed(self, input_ids: Tensor) -> Tensor:

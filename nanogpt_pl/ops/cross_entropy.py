@@ -32,11 +32,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
+
 __all__ = [
     "SOFTCAP_MAX",
     "SOFTCAP_SHIFT",
     "SOFTCAP_WIDTH",
-    "VOCAB_SIZE",
     "CANDIDATE_MULTIPLE",
     "softcap",
     "HeadMatmul",
@@ -55,8 +56,6 @@ SOFTCAP_MAX = 23.0
 SOFTCAP_SHIFT = 5.0
 SOFTCAP_WIDTH = 7.5
 
-# RECORD §2: the tokenizer's 50,257 ids padded to 50,304 rows of the lm_head.
-VOCAB_SIZE = 50304
 # RECORD §6: P must be a multiple of 2048 (the record's CE kernel: block 256 × vector 8).
 CANDIDATE_MULTIPLE = 2048
 # RECORD §6: negatives come from perm[k] = 20011·k mod V (20011 is coprime to 50,304); each
@@ -70,7 +69,7 @@ SAMPLER_DRAW_EXTRA = 256
 # so larger chunks buy no GEMM efficiency, only memory; smaller ones add launches and
 # re-read the weight once more per chunk. The chunk count is rounded up, then rows are
 # spread evenly (49,152 rows: 6 chunks of 8,192 at P = 50,304, 2 of 24,576 at P = 10,240).
-GPU_CHUNK_ELEMENTS = 8192 * VOCAB_SIZE
+GPU_CHUNK_ELEMENTS = 8192 * PADDED_VOCAB
 # On the CPU (reference-like sizes, fp32): 64 Mi logits = 256 MiB per chunk.
 CPU_CHUNK_ELEMENTS = 1 << 26
 # Chunk rows are rounded to this multiple so GEMM row tiles stay whole.
@@ -655,7 +654,7 @@ class CandidateSampler:
         multiple: ``num_candidates`` must be a multiple of this (RECORD §6: 2048).
     """
 
-    def __init__(self, vocab_size: int = VOCAB_SIZE, rank: int = 0, world_size: int = 1,
+    def __init__(self, vocab_size: int = PADDED_VOCAB, rank: int = 0, world_size: int = 1,
                  stride: int = SAMPLER_STRIDE, multiple: int = CANDIDATE_MULTIPLE) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"CandidateSampler: rank {rank} is not in [0, world_size={world_size})")
@@ -780,7 +779,7 @@ def _token_bytes(encoding) -> dict[int, bytes]:
     return out
 
 
-def build_prefix_table(encoding=None, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+def build_prefix_table(encoding=None, vocab_size: int = PADDED_VOCAB) -> torch.Tensor:
     """For every token id, the token whose bytes are its longest proper byte-prefix, else -1.
 
     The prefix-token auxiliary loss (RECORD §2) predicts ``table[target]``. Single-byte
