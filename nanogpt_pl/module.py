@@ -1,7 +1,8 @@
 """SpeedrunModule: the GPT, its loss and its optimizers under manual optimization.
 
-One training step (``shared/DESIGN.md`` "Data flow"): the schedule callback has set
-this step's lr, momentum, windows, loss options and which optimizer parts update;
+One training step (``shared/DESIGN.md`` "Data flow"): ``on_train_batch_start`` has set
+this step's lr, momentum, windows, loss options and which optimizer parts update from the
+schedule (``apply_schedule``);
 ``training_step`` runs forward and backward over the step's micro-batches (gradient
 accumulation when the batch does not fit one pass per rank), then steps the
 :class:`~nanogpt_pl.optim.combined.CombinedOptimizer`, whose parts communicate their
@@ -9,7 +10,7 @@ own gradients (there is no DDP wrapper). Validation is always the full-vocabular
 softcapped cross-entropy.
 
 Callbacks change behaviour over time only through the small public hooks in the
-"schedule hooks" section below.
+"schedule hooks" section below (the speedrun timer's warmup replays schedule steps with them).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_a_user_callback_in_yaml_runs_alongside_ours(tmp_path, toy_files, toy_co
     assert out.returncode == 0, out.stderr[-3000:]
     lrs = json.loads(out_file.read_text())
     assert len(lrs) == 6
-    # the schedule callback (added by the module) set a warmup lr ramp the user callback sees
+    # the module applied the schedule's warmup lr ramp, which the user callback sees
     assert lrs[0] < lrs[1] and (tmp_path / "ckpt" / "last.ckpt").exists()
 
 
