@@ -33,6 +33,13 @@ def _config_layers(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, 
     return _config_layers(base, seen + (path,)) + [(path, data)]
 
 
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except OSError:  # a YAML string given to --config can be longer than a file name may be
+        return False
+
+
 def expand_config_bases(args: list[str]) -> list[str]:
     """Resolve ``base:`` includes of every ``--config FILE`` in ``args``.
 
@@ -55,7 +62,7 @@ def expand_config_bases(args: list[str]) -> list[str]:
             out.append(arg)
             i += 1
             continue
-        layers = _config_layers(Path(value)) if Path(value).is_file() else []
+        layers = _config_layers(Path(value)) if _is_file(value) else []
         if len(layers) < 2:  # no include (or a YAML string): pass it on untouched
             out += ["--config", value]
             continue

@@ -116,6 +116,8 @@ def test_config_base_chain_and_errors(tmp_path):
     assert load_config(tmp_path / "c.yaml") == {"trainer": {"devices": 1, "max_steps": 10}, "model": {"compile": False}}
     plain = ["fit", f"--config={tmp_path / 'a.yaml'}"]
     assert expand_config_bases(plain) == ["fit", "--config", str(tmp_path / "a.yaml")]
+    as_string = "trainer: {devices: 1}\n" + "# a YAML string longer than any file name\n" * 10
+    assert expand_config_bases(["--config", as_string]) == ["--config", as_string]
     (tmp_path / "a.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ValueError, match="cycle"):
         expand_config_bases(["--config", str(tmp_path / "c.yaml")])
