@@ -46,8 +46,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
-from nanogpt_pl.ops.cross_entropy import TorchHeadMatmul  # noqa: E402
 from nanogpt_pl.ops.fp8 import Fp8Head, Fp8MLPState, fp8_mlp  # noqa: E402
+from nanogpt_pl.ops.lm_head import TorchHeadMatmul  # noqa: E402
 from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize  # noqa: E402
 from nanogpt_pl.ops.triton.fp8_quant import quantize_dual  # noqa: E402
 
@@ -55,7 +55,7 @@ N_TOKENS = 49152  # RECORD §9: stage-2 tokens per rank per step
 DIM = 768  # RECORD §2
 HIDDEN = 2816  # RECORD §2
 VOCAB = 50304  # RECORD §2
-HEAD_CHUNK = 8192  # rows per chunk of the fused loss on a GPU (ops.cross_entropy GPU_CHUNK_ELEMENTS)
+HEAD_CHUNK = 8192  # rows per chunk of the fused loss on a GPU (ops.lm_head GPU_CHUNK_ELEMENTS)
 SAMPLED_P = 10240  # RECORD §6: candidates in stages 0-1
 FC_BOUND = math.sqrt(3) * 0.5 * DIM**-0.5  # RECORD §2 c_fc init
 PROJ_STD = 0.02  # c_proj starts at zero (RECORD §2); a trained-looking scale instead
@@ -305,7 +305,8 @@ def head_gemm_rows(table: Table, n: int, warmup: int, iters: int) -> None:
 
 
 def head_loss_rows(table: Table, n: int, warmup: int, iters: int) -> None:
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler, lm_head_loss
+    from nanogpt_pl.ops.cross_entropy import lm_head_loss
+    from nanogpt_pl.ops.sampling import CandidateSampler
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = F.rms_norm(torch.randn(n, DIM, device="cuda", generator=gen), (DIM,)).bfloat16().requires_grad_()

@@ -36,12 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
 from nanogpt_pl.data.tokenizer import PADDED_VOCAB, TOKENIZER_VOCAB  # noqa: E402
-from nanogpt_pl.ops.cross_entropy import (  # noqa: E402
-    CandidateSampler,
-    default_chunk_rows,
-    lm_head_loss,
-    softcap,
-)
+from nanogpt_pl.ops.cross_entropy import lm_head_loss, softcap  # noqa: E402
+from nanogpt_pl.ops.lm_head import default_chunk_rows  # noqa: E402
+from nanogpt_pl.ops.sampling import CandidateSampler  # noqa: E402
 
 N_TOKENS = 49152  # RECORD §9: stage-2 tokens per rank per step
 DIM = 768  # RECORD §2

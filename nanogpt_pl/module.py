@@ -16,7 +16,6 @@ Callbacks change behaviour over time only through the small public hooks in the
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,14 +24,20 @@ import torch
 from torch import Tensor
 
 from .backends import Backends
-from .distributed.ngram_shard import RANK_LOCAL_KEY, SparseChannels, build_sparse_channels
+from .data.tokenizer import build_prefix_table
+from .distributed.side_files import RANK_LOCAL_KEY
+from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .distributed.strategy import SpeedrunStrategy
+from .metrics import BitsPerByte, MeanTokenLoss
 from .model.attention import resolve_backend
 from .model.gpt import GPT, GPTConfig
-from .ops.cross_entropy import CandidateSampler, build_prefix_table, full_cross_entropy, lm_head_loss
+from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
+from .ops.sampling import CandidateSampler
+from .ops.triton import interpret_mode
 from .optim.adam import DistAdam
 from .optim.anvil import Anvil
 from .optim.combined import CombinedOptimizer
+from .optim.groups import adam_families, anvil_group
 from .optim.sparse_adam import SparseAdam
 from .schedule import Schedule
 
@@ -80,11 +85,19 @@ class OptimConfig:
         embed: settings of the token embedding.
         lm_head: settings of the lm_head.
         value_embeds: settings of the value-embedding tables.
-        scalars: settings of the scalar gates and lambdas.
+        scalars: settings of the scalar gates and lambdas not in a family below.
         ngram: settings of the n-gram table's lazy row Adam (RECORD §4; beta1 must be 0).
         sparse_value_embeds: value embeddings get compact gradients and update with the n-gram
             table in the ``sparse`` optimizer part, on the sparse cadence (RECORD §5); False keeps
             them in the dense Adam part.
+        smear_gate: the smear gate's weight (RECORD §8: lr ×0.01).
+        ve_gate: the value-embedding gates (lr ×1, decay ×1).
+        post_lambdas: the post-lambdas π (betas 0.9, 0.95).
+        resid_lambdas: the residual lambdas ρ (lr ×5, betas 0.9, 0.95).
+        mudd: MUDD's layer and final mix weights (lr ×0.25, decay ×1).
+        mudd_bias: their biases (no decay).
+        mudd_gate: MUDD's pre and post gate weights (lr ×0.1, decay ×1).
+        mudd_gate_bias: the gate biases and the gate scale κ (no decay).
     """
 
     matrix_optimizer: str = "anvil"
@@ -104,6 +117,16 @@ class OptimConfig:
     scalars: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=5.0, betas=(0.9, 0.99), wd_mul=0.0))
     ngram: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.0, 0.95), wd_mul=5.0))
     sparse_value_embeds: bool = True
+    # RECORD §8 "Adam parameter groups": the small parameters by family (names matched in
+    # nanogpt_pl.optim.groups.ADAM_RULES)
+    smear_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.01, (0.9, 0.99), 0.0))
+    ve_gate: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.99), 1.0))
+    post_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.95), 0.0))
+    resid_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.95), 0.0))
+    mudd: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 1.0))
+    mudd_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 0.0))
+    mudd_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 1.0))
+    mudd_gate_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 0.0))
 
     def __post_init__(self) -> None:
         if self.matrix_optimizer not in ("anvil", "adamw"):
@@ -189,6 +212,7 @@ class SpeedrunModule(L.LightningModule):
         self.schedule = schedule if schedule is not None else Schedule()
         self.backends = backends
         self.compile = compile
+        check_backend(backends.loss)
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
@@ -205,6 +229,9 @@ class SpeedrunModule(L.LightningModule):
         self._pending_sampler_state: Optional[dict[str, dict]] = None
         # dense-model FLOPs of this rank's last step (callbacks.throughput reads it for MFU)
         self.flops_per_batch: Optional[int] = None
+        # token-weighted over batches and ranks by torchmetrics (nanogpt_pl/metrics.py)
+        self.val_loss = MeanTokenLoss()
+        self.val_bpb = BitsPerByte()
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -251,10 +278,10 @@ class SpeedrunModule(L.LightningModule):
             if self.backends.fp8 == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
                     "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
-                    "use model.backends.fp8: auto on CPU"
+                    "use model.backends.fp8: auto (or reference) on CPU"
                 )
             if self.backends.loss == "triton":
-                if os.environ.get("TRITON_INTERPRET") != "1":
+                if not interpret_mode():
                     raise RuntimeError(
                         "model.backends.loss='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
                         "use model.backends.loss: auto or reference on CPU"
@@ -266,23 +293,25 @@ class SpeedrunModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o = self.optim_config
-        roles = self.model.param_roles()
         pg = self.process_group
         parts: dict[str, torch.optim.Optimizer] = {}
+        # which parameter goes where, and with which block shape and lr multiplier: by name (optim/groups.py)
+        matrices = anvil_group(self.model, self.gpt_config.head_dim)
         if o.matrix_optimizer == "anvil":
-            parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+            parts["matrices"] = Anvil([matrices], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+                                      engage_step=self.schedule.anvil_engage_step,
                                       cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg,
                                       backend=self.backends.polar)
         else:
-            parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
+            parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
                                          process_group=pg)
         sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
-        for name, g in (("embed", o.embed), ("lm_head", o.lm_head), ("value_embeds", o.value_embeds),
-                        ("scalars", o.scalars)):
-            if roles[name] and name not in sparse:
-                groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
+        for name, params in adam_families(self.model).items():
+            g = getattr(o, name)
+            if name not in sparse:
+                groups.append(dict(params=params, name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
                                    wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
                                  cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power)
@@ -504,6 +533,7 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        self._prefix = None  # RECORD §11: the prefix-table build is on the clock, so the timed run rebuilds it
         if self.sparse_channels is not None:
             if state.get("sparse") is None:
                 self.sparse_channels.reset_()
@@ -515,7 +545,10 @@ class SpeedrunModule(L.LightningModule):
         hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
                             (self.schedule.val_window_short, self.schedule.val_window_long), **sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        self.val_loss.update(loss, batch["targets"].numel())
+        self.val_bpb.update_from_loss(hidden, self.model.lm_head, batch["targets"], loss)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/bpb", self.val_bpb)
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -533,8 +566,10 @@ class SpeedrunModule(L.LightningModule):
             torch.distributed.all_gather_object(gathered, samplers)
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
+        # what `nanogpt-pl generate` needs to run the validation network from this file alone
+        checkpoint["speedrun"]["val_windows"] = (self.schedule.val_window_short, self.schedule.val_window_long)
         if self.sparse_channels is not None:
-            # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/ngram_shard.py)
+            # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/side_files.py)
             checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

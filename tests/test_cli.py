@@ -65,6 +65,14 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation, r
         "full_softmax.yaml": lambda c: all(s["candidates"] is None for s in c["schedule"]["stages"]),
         "adamw_matrices.yaml": lambda c: c["model"]["optim"]["matrix_optimizer"] == "adamw",
         "no_tail_averaging.yaml": lambda c: all("ema" not in cb["class_path"] for cb in c["trainer"]["callbacks"]),
+        "no_mudd.yaml": lambda c: c["model"]["gpt"]["mudd"] is False,
+        "uniform_widths.yaml": lambda c: not (c["model"]["gpt"]["narrow_layers"] or c["model"]["gpt"]["dv64_layers"]
+                                              or c["model"]["gpt"]["paired_layers"]),
+        "no_xsa.yaml": lambda c: c["model"]["gpt"]["xsa_layers"] == [],
+        "no_attn_gate.yaml": lambda c: c["model"]["gpt"]["attn_gate_layers"] == [],
+        "no_key_offset.yaml": lambda c: c["model"]["gpt"]["key_offset_layers"] == [],
+        "no_parallel_mlp.yaml": lambda c: c["model"]["gpt"]["parallel_mlp_layers"] == [],
+        "plain_network.yaml": lambda c: not c["model"]["gpt"]["mudd"] and c["model"]["gpt"]["x0_layers"] is None,
     }[ablation]
     assert expect(cfg)
 

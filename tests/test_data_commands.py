@@ -46,6 +46,19 @@ def test_prepare_command(tmp_path, capsys):
     assert rc == 1 and "--overwrite" in capsys.readouterr().err
 
 
+def test_prepare_a_single_text_file_with_defaults(tmp_path, capsys):
+    paras = [f"Paragraph {i}: " + " ".join(["word"] * (20 + i % 50)) for i in range(400)]
+    src = tmp_path / "mytext.txt"
+    src.write_text("\n\n".join(paras) + "\n")
+    out = tmp_path / "shards"
+    assert main(["prepare", "--help"]) == 0
+    assert "blank lines" in capsys.readouterr().out
+    assert main(["prepare", str(src), "-o", str(out), "--workers", "1", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "cut at blank lines into documents of at least 4,000 characters" in text
+    assert "validation: 1 documents" in text and f"--data.train_files '{out / 'data_train_*.bin'}'" in text
+
+
 def test_fineweb_command(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

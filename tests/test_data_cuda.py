@@ -7,8 +7,9 @@ import pytest
 import torch
 from data_fixtures import random_documents, small_schedule, write_random_shards
 
-from nanogpt_pl.data.loader import TrainStream, ValidationSet, iter_steps
 from nanogpt_pl.data.shards import write_shard
+from nanogpt_pl.data.stream import TrainStream, iter_steps
+from nanogpt_pl.data.validation import ValidationSet
 
 pytestmark = [
     pytest.mark.cuda,

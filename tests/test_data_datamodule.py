@@ -132,7 +132,7 @@ def test_batch_at_matches_the_stream_and_leaves_it_alone(tmp_path, data_dir):
 
 
 def _take_one(dm: SpeedrunDataModule, step: int):
-    from nanogpt_pl.data.loader import TrainStream
+    from nanogpt_pl.data.stream import TrainStream
 
     s = TrainStream(dm.train_files, dm.schedule, world_size=dm.world_size, rank=dm.rank, start_step=step,
                     pin_memory=False)

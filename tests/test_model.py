@@ -157,7 +157,10 @@ def test_gpu_only_attention_backend_on_cpu_is_a_clear_error():
         resolve_backend("varlen", torch.device("cpu"))
     with pytest.raises(ValueError, match="choose one of"):
         resolve_backend("fa3", torch.device("cpu"))
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    # the former name of the plain path points to the new one, in one line
+    with pytest.raises(ValueError, match=r"^model\.backends\.attention='sdpa' \(the plain-PyTorch path is 'reference'"):
+        resolve_backend("sdpa", torch.device("cpu"))
 
 
 def test_flops_per_token_counts_the_head_and_layers():
@@ -175,13 +178,13 @@ def test_the_two_vocabulary_sizes_have_two_names():
 
 def test_model_backends_reach_every_part():
     cfg = tiny_config(fp8_mlp=True, fp8_head=True, fp8_qkv=True)
-    chosen = Backends(attention="sdpa", fp8="emulated", loss="reference", polar="torch")
+    chosen = Backends(attention="reference", fp8="reference", loss="chunked", polar="reference")
     module = SpeedrunModule(gpt=cfg, backends=chosen)
     blocks = module.model.blocks
-    assert {b.attn.backend for b in blocks if b.attn is not None} == {"sdpa"}
+    assert {b.attn.spec.backend for b in blocks if b.attn is not None} == {"reference"}
     fp8_states = [b.attn.fp8_state for b in blocks if b.attn is not None] + [b.mlp.fp8_state for b in blocks
                                                                             if b.mlp is not None]
-    assert {st.backend for st in fp8_states} == {"emulated"} and module.model.fp8_head.state.backend == "emulated"
-    assert module.configure_optimizers().parts["matrices"].backend == "torch"
-    assert module.backends.loss == "reference" and module.hparams["backends"] == chosen
-    assert {b.attn.backend for b in GPT(cfg).blocks if b.attn is not None} == {"auto"}  # default: auto
+    assert {st.backend for st in fp8_states} == {"reference"} and module.model.fp8_head.state.backend == "reference"
+    assert module.configure_optimizers().parts["matrices"].backend == "reference"
+    assert module.backends.loss == "chunked" and module.hparams["backends"] == chosen
+    assert {b.attn.spec.backend for b in GPT(cfg).blocks if b.attn is not None} == {"auto"}  # default: auto

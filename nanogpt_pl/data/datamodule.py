@@ -7,9 +7,11 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from nanogpt_pl.data.loader import TrainStream, ValidationSet, check_long_documents
+from nanogpt_pl.data.planning import check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
+from nanogpt_pl.data.stream import TrainStream
 from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
+from nanogpt_pl.data.validation import ValidationSet
 from nanogpt_pl.schedule import Schedule
 
 # RECORD.md §12: 10,485,760 validation tokens = 5 batches of 262,144 tokens on each of 8 ranks.
@@ -22,7 +24,7 @@ class SpeedrunDataModule(L.LightningDataModule):
     """BOS-aligned training batches and the fixed validation set, sized by the schedule.
 
     Each training step yields this rank's list of micro-batches (see
-    :class:`~nanogpt_pl.data.loader.TrainStream`); each validation batch is one dict.
+    :class:`~nanogpt_pl.data.stream.TrainStream`); each validation batch is one dict.
 
     Args:
         train_files: glob of training shards, e.g. ``data/fineweb10B/fineweb_train_*.bin``.
@@ -190,7 +192,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             )
         probe = self._probe
         plan = probe.walker.plan(step, probe.cursor_at(step))
-        probe._remember(step + 1, plan.next_cursor)
+        probe.remember(step + 1, plan.next_cursor)
         return probe.micro_batches(plan)
 
     @property

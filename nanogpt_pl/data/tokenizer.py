@@ -1,10 +1,13 @@
-"""GPT-2's tokenizer (tiktoken ``r50k_base``) with an offline cache.
+"""GPT-2's tokenizer (tiktoken ``r50k_base``) with an offline cache, and the prefix table.
 
 tiktoken downloads the BPE ranks file from ``openaipublic.blob.core.windows.net``
 the first time it is used and stores it in ``TIKTOKEN_CACHE_DIR`` under the SHA-1
 of that URL. Machines without that host (clusters, CI) can seed the cache from the
 identical file that ships inside the ``openai-whisper`` source distribution on
 PyPI (``whisper/assets/gpt2.tiktoken``): ``nanogpt-pl data tokenizer`` does that.
+
+:func:`build_prefix_table` maps every token to the token of its longest proper byte-prefix,
+the target of the prefix-token loss (RECORD §2).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+import numpy as np
+import torch
 
 ENCODING_NAME = "r50k_base"
 RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
@@ -131,3 +137,53 @@ def get_encoding():
             f"could not load the {ENCODING_NAME} tokenizer ({type(e).__name__}: {e}). "
             f"Offline machines: run `nanogpt-pl data tokenizer` once to seed {cache_file()}."
         ) from e
+
+
+def mergeable_ranks(encoding) -> dict[bytes, int]:
+    """The bytes → token id map of an encoding's ordinary (non-special) tokens.
+
+    The one place that reads tiktoken's private ``Encoding._mergeable_ranks``: the public
+    API has no bulk form of it (``decode_single_token_bytes`` one id at a time is ~50k calls).
+    ``tests/test_tokenizer.py`` checks its shape on the real ``r50k_base`` encoding.
+
+    Raises:
+        RuntimeError: the attribute is missing or is no longer a non-empty ``{bytes: int}`` dict.
+    """
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    if not (isinstance(ranks, dict) and ranks
+            and all(isinstance(b, bytes) and isinstance(i, int) for b, i in ranks.items())):
+        import tiktoken
+
+        raise RuntimeError(
+            f"tiktoken {getattr(tiktoken, '__version__', '?')}: Encoding._mergeable_ranks is missing or no "
+            f"longer a {{bytes: int}} dict (got {type(ranks).__name__}); the prefix table reads it in "
+            f"nanogpt_pl/data/tokenizer.py mergeable_ranks: adapt that function, or install a tiktoken "
+            f"that has it (tests/test_tokenizer.py checks the installed one)")
+    return ranks
+
+
+def build_prefix_table(vocab_size: int, encoding=None) -> torch.Tensor:
+    """For every token id, the token whose bytes are its longest proper byte-prefix, else -1.
+
+    The prefix-token auxiliary loss (RECORD §2) predicts ``table[target]``. Single-byte
+    tokens, special tokens (50256) and the padded ids up to ``vocab_size`` map to -1.
+
+    Args:
+        vocab_size: length of the table: the model's (padded) vocabulary, its lm_head rows.
+        encoding: a tiktoken ``Encoding``; default GPT-2's (:func:`get_encoding`).
+
+    Returns:
+        CPU int64 tensor ``[vocab_size]``.
+    """
+    by_bytes = mergeable_ranks(encoding if encoding is not None else get_encoding())
+    if max(by_bytes.values()) >= vocab_size:
+        raise ValueError(f"build_prefix_table: the encoding has token id {max(by_bytes.values())} >= "
+                         f"vocab_size {vocab_size}")
+    table = np.full(vocab_size, -1, dtype=np.int64)
+    for b, i in by_bytes.items():
+        for cut in range(len(b) - 1, 0, -1):
+            j = by_bytes.get(b[:cut])
+            if j is not None:
+                table[i] = j
+                break
+    return torch.from_numpy(table)

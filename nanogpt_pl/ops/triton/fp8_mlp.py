@@ -21,8 +21,8 @@ Backward step, per element of g @ W2^T:
     amax = max(amax, |dpre|)                     (feeds the delayed dpre scale)
     out  = e5m2(dpre / dpre_scale), row-major and transposed
 
-The PyTorch reference of exactly these formulas is ``nanogpt_pl.ops.fp8`` (the
-emulated backend); the tests compare the two.
+The PyTorch reference of exactly these formulas is the reference backend of
+``nanogpt_pl.ops.fp8`` (``backends.py``); the tests compare the two.
 """
 
 from __future__ import annotations
@@ -160,11 +160,11 @@ def _mlp_refresh_kernel(w1_amax, w1_scale, w1_inv, w2_amax, w2_scale, w2_inv,
 def mlp_refresh_scales(state, exact: bool, constants: dict) -> None:
     """Every scale update of an FP8 MLP weight refresh in one launch (``Fp8MLPState.caches_for``).
 
-    The PyTorch reference is the emulated branch of ``caches_for``: weight scales from the
+    The PyTorch reference is the non-fused branch of ``caches_for``: weight scales from the
     amax buffers (times the lag headroom unless ``exact``), their reciprocals, the two
     delayed-scale folds, the reciprocals of the static scales and the refresh count. The weight
     amax buffers are left at zero; the weights' quantize passes refill them (``amax_into``).
-    ``constants`` holds the headroom, floor and ceiling values (from ``nanogpt_pl.ops.fp8``).
+    ``constants`` holds the headroom, floor and ceiling values (from ``nanogpt_pl.ops.fp8.formats``).
     """
     c = constants
     _mlp_refresh_kernel[(1,)](
@@ -259,7 +259,7 @@ def _fp8_gemm_epilogue_kernel(a_ptr, b_ptr, row_ptr, t_ptr, aux_ptr,
 
     dequant = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
     # bf16 rounding of the dequantized product: the value _scaled_mm(out_dtype=bf16)
-    # would have written, so both MLP kernels and the emulation share one formula.
+    # would have written, so both MLP kernels and the reference share one formula.
     lin = round_to_bf16(acc * dequant)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if BACKWARD:
