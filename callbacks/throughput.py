@@ -43,7 +43,8 @@ class SpeedrunThroughput(L.Callback):
     """Logs ``train/device/items_per_sec`` (tokens/s), FLOPs/s and MFU over a sliding window.
 
     Args:
-        window_size: training steps in the sliding window; rates appear once it is full.
+        window_size: training steps in the sliding window; rates appear once it is full. A run
+            shorter than the window uses its own length, so it still reports its rate at its end.
         available_flops: peak FLOP/s of one device for MFU; None = 989e12 on Hopper-class GPUs,
             else Lightning's table (bf16), else no MFU.
         progress_bar: show tokens/s (all ranks) on the progress bar.
@@ -64,7 +65,9 @@ class SpeedrunThroughput(L.Callback):
         flops = self.available_flops
         if flops is None:
             flops = peak_flops(trainer.strategy.root_device)
-        self.meter = Throughput(available_flops=flops, world_size=trainer.world_size, window_size=self.window_size)
+        # the meter needs two points for a rate; a short run (an ablation of a few steps) fills a window of its length
+        window = max(2, min(self.window_size, pl_module.schedule.run_steps(trainer.max_steps)))
+        self.meter = Throughput(available_flops=flops, world_size=trainer.world_size, window_size=window)
 
     @staticmethod
     def _sync(trainer: L.Trainer) -> None:
