@@ -441,7 +441,7 @@ def test_bad_input_raises_clear_errors() -> None:
         p.anvil_block = block
         with pytest.raises(ValueError, match="does not tile"):
             Anvil([p])
-    with pytest.raises(RuntimeError, match="backend='triton'"):
+    with pytest.raises(RuntimeError, match="model.backends.polar='triton'"):
         Anvil([torch.nn.Parameter(torch.randn(4, 4))], backend="triton")
     with pytest.raises(ValueError, match="momentum"):
         Anvil([torch.nn.Parameter(torch.randn(4, 4))], momentum=1.5)

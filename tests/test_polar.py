@@ -133,10 +133,13 @@ def test_backend_choice() -> None:
     assert P.resolve_backend("reference", torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="choose one of"):
         P.resolve_backend("cuda", torch.device("cpu"))
+    # the former name of the plain path points to the new one, in one line
+    with pytest.raises(ValueError, match=r"^model\.backends\.polar='torch' \(the plain-PyTorch path is 'reference'\)"):
+        P.resolve_backend("torch", torch.device("cpu"))
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(RuntimeError, match="backend='triton' needs a CUDA device"):
+        with pytest.raises(RuntimeError, match=r"model\.backends\.polar='triton' needs a CUDA device"):
             P.polar_cascade(torch.randn(4, 4), backend="triton")
     with pytest.raises(ValueError, match="matrix"):
         P.polar_cascade(torch.randn(5))
