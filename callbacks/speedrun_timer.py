@@ -22,8 +22,6 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-from .schedule import apply_schedule
-
 RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 
 
@@ -109,12 +107,12 @@ class SpeedrunTimer(L.Callback):
         for step in steps:
             batch = pl_module.prepare_batch(trainer.datamodule.batch_at(step), step)
             batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-            apply_schedule(pl_module, step, previous_step=previous)
+            pl_module.apply_schedule(step, previous_step=previous)
             pl_module.run_step(batch)
             previous = step
         self._sync(pl_module)
         pl_module.restore_state(snapshot)
-        apply_schedule(pl_module, trainer.global_step)
+        pl_module.apply_schedule(trainer.global_step)
         for cb in self._stateful_callbacks(trainer):
             cb.reset()
         self._sync(pl_module)

@@ -14,16 +14,24 @@ and per-step settings come from one object.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from typing import Optional
 
+import torch
 from lightning.pytorch.cli import LightningCLI
 
+from .config_files import expand_config_bases, load_config
 from .data.datamodule import SpeedrunDataModule
 from .distributed.strategy import SpeedrunStrategy  # noqa: F401  (registers trainer.strategy: speedrun)
+from .model.gpt import GPT, GPTConfig
 from .module import SpeedrunModule
+from .optim.groups import adam_families
 from .schedule import Schedule
+from .tools import COMMANDS as TOOL_COMMANDS
+from .tools import main as tools_main
+from .trackers import prepare_loggers
 
 
 class SpeedrunCLI(LightningCLI):
@@ -36,8 +44,6 @@ class SpeedrunCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         # a tracker's missing package or refused store, as one line instead of "Not a valid subclass of Logger"
-        from .trackers import prepare_loggers
-
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             prepare_loggers(config.get("trainer"))
@@ -49,6 +55,9 @@ class SpeedrunCLI(LightningCLI):
 # optimizer step. That is what resuming needs here: the data stream, schedule and optimizer
 # state in the checkpoint all describe the state after the same step.
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+# cli_main always hands LightningCLI its arguments (``base:`` includes expanded, config_files.py),
+# which LightningCLI warns about when they came from the command line.
+warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
 
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bool = True) -> SpeedrunCLI:
@@ -61,7 +70,7 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bo
         SpeedrunModule,
         SpeedrunDataModule,
         save_config_kwargs={"overwrite": True},
-        args=args,
+        args=expand_config_bases(list(sys.argv[1:] if args is None else args)),
         run=run,
         **extra,
     )
@@ -75,14 +84,6 @@ def describe_main(argv: list[str]) -> int:
     parameter counts per family. The model is built on the ``meta`` device, so nothing is
     allocated (the n-gram table lives outside the model and is only counted).
     """
-    import argparse
-
-    import torch
-    import yaml
-
-    from .model.gpt import GPT, GPTConfig
-    from .optim.groups import adam_families
-
     parser = argparse.ArgumentParser(prog="nanogpt-pl describe", description=describe_main.__doc__)
     parser.add_argument("--config", action="append", required=True,
                         help="YAML config; repeat to layer overlays as `fit` does")
@@ -90,10 +91,10 @@ def describe_main(argv: list[str]) -> int:
     gpt: dict = {}
     for path in args.config:
         try:
-            text = open(path).read()
+            layered = load_config(path)  # with its `base:` chain, as `fit` reads it
         except OSError as err:
-            raise SystemExit(f"nanogpt-pl describe: cannot read --config {path}: {err.strerror}")
-        gpt.update(((yaml.safe_load(text) or {}).get("model") or {}).get("gpt") or {})
+            raise SystemExit(f"nanogpt-pl describe: cannot read --config {path}: {err.strerror or err}")
+        gpt.update((layered.get("model") or {}).get("gpt") or {})
     unknown = sorted(set(gpt) - set(GPTConfig.__dataclass_fields__))
     if unknown:
         raise SystemExit(f"nanogpt-pl describe: unknown key(s) model.gpt.{', model.gpt.'.join(unknown)} in "
@@ -155,16 +156,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``nanogpt-pl`` and ``main.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "data":
-        from .data.commands import main as data_main
+        from .data.commands import main as data_main  # the data commands' dependencies load only for `data`
 
         return data_main(argv[1:])
     if argv and argv[0] == "describe":
         return describe_main(argv[1:])
-    from .tools import COMMANDS as TOOL_COMMANDS
-
     if argv and argv[0] in TOOL_COMMANDS:
-        from .tools import main as tools_main
-
         return tools_main(argv)
     cli_main(argv)
     return 0

@@ -45,7 +45,7 @@ def _set(node: Any, key: str, value: Any) -> None:
 
 
 def mlflow_major() -> int:
-    from importlib.metadata import version
+    from importlib.metadata import version  # read only when an MLflow logger is configured
 
     return int(version("mlflow").split(".")[0])
 

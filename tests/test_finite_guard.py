@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from train_helpers import make_run, make_trainer, tiny_schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import make_run, make_trainer, tiny_schedule  # noqa: E402
-
-from callbacks.finite_guard import FiniteGuard, NonFiniteError  # noqa: E402
+from callbacks.finite_guard import FiniteGuard, NonFiniteError
 
 BAD_STEP = 3
 

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from nanogpt_pl.cli import cli_main
 
-from callbacks.schedule import apply_schedule  # noqa: E402
-from nanogpt_pl.cli import cli_main  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # the CLI is driven with explicit args from inside pytest (whose own argv it would otherwise see)
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -72,7 +69,7 @@ def test_record_network_and_ablations_train_three_steps(tmp_path, ablation, one_
     losses = []
     for step in range(3):
         batch = module.prepare_batch(next(it), step)
-        apply_schedule(module, step)
+        module.apply_schedule(step)
         losses.append(float(module.run_step(batch)))
     assert all(math.isfinite(v) for v in losses), losses
     cfg = module.gpt_config

@@ -227,7 +227,8 @@ def packed_context(n: int, cu: torch.Tensor, window: int, rot: Rotary, heads: in
 def test_paired_heads_match_a_per_head_reference(seed, window):
     torch.manual_seed(seed)
     heads, hd, d_qk, dim, n = 6, 16, 8, 96, 30
-    spec = AttentionSpec(model_dim=dim, num_heads=heads, head_dim=hd, d_qk=d_qk, d_v=hd, paired=True, backend="sdpa")
+    spec = AttentionSpec(model_dim=dim, num_heads=heads, head_dim=hd, d_qk=d_qk, d_v=hd, paired=True,
+                         backend="reference")
     attn = CausalSelfAttention(spec).double()
     with torch.no_grad():
         attn.o_w.normal_(std=0.1)
@@ -381,7 +382,7 @@ def test_fp8_qkv_uses_the_record_scales_on_the_live_rows():
     assert SPEEDRUN["model"]["gpt"]["fp8_qkv_x_scale"] == 8 / 448
     torch.manual_seed(1)
     spec = AttentionSpec(model_dim=96, num_heads=6, head_dim=16, d_qk=8, d_v=16, fp8_qkv=True,
-                         fp8_backend="reference", fp8_qkv_x_scale=8 / 448, backend="sdpa")
+                         fp8_backend="reference", fp8_qkv_x_scale=8 / 448, backend="reference")
     attn = CausalSelfAttention(spec).train()
     assert attn.fp8_state.x_scale.item() == pytest.approx(8 / 448)
     with torch.no_grad():

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from train_helpers import make_run, make_trainer, tiny_schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import make_run, make_trainer, tiny_schedule  # noqa: E402
-
-from callbacks.spectra import Spectra, spectrum  # noqa: E402
-from callbacks.speedrun_timer import SpeedrunTimer  # noqa: E402
+from callbacks.spectra import Spectra, spectrum
+from callbacks.speedrun_timer import SpeedrunTimer
 
 
 @pytest.fixture(scope="module")

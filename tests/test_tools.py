@@ -12,7 +12,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
 
 # the quickstart config at a size that trains a step in a fraction of a second on one core
 TINY = ["--model.gpt.num_layers", "2", "--model.gpt.model_dim", "32", "--model.gpt.mlp_hidden", "64",

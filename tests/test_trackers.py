@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tools import STEPS, TINY, nanogpt_pl  # noqa: E402
+from test_tools import STEPS, TINY, nanogpt_pl
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

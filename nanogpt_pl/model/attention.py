@@ -7,16 +7,16 @@ most ``window`` tokens behind it (FlashAttention's left window).
 
 Four kernels compute the same function:
 
-- ``sdpa``: a dense boolean mask and ``F.scaled_dot_product_attention``; the reference,
-  and the path that trains on CPU (flex attention has no CPU backward in torch 2.13).
+- ``reference``: a dense boolean mask and ``F.scaled_dot_product_attention``; the plain
+  PyTorch path, and the one that trains on CPU (flex attention has no CPU backward in torch 2.13).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen with a
   window); CUDA only, needs d_v == d_qk.
 - ``flex``: compiled ``flex_attention`` with a document + window block mask; CUDA.
 - ``triton``: our FlashAttention-2-style kernels (``nanogpt_pl.ops.triton.attention``); CUDA,
   any d_qk, d_v in {16, 32, 64, 128}.
 
-``auto`` picks varlen on CUDA when it exists and head sizes match, flex on CUDA
-otherwise, and sdpa on CPU. Layers whose value heads are wider than their query/key
+``auto`` picks, on CUDA, varlen for (64, 64) heads and triton for the other layer kinds
+(the fastest measured on the H200), and the reference on CPU. Layers whose value heads are wider than their query/key
 heads (RECORD §2 "narrow") run on flex even when varlen is asked for, because torch's
 varlen kernel needs d_qk == d_v.
 
@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.triton import triton_usable
 from .rotary import apply_rotary
 
-BACKENDS = ("auto", "sdpa", "varlen", "flex", "triton")
+# The choices of `model.backends.attention`; "reference" is the plain-PyTorch path.
+BACKENDS = ("auto", "reference", "varlen", "flex", "triton")
 
 
 def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -55,42 +57,50 @@ def segment_positions(cu_seqlens: Tensor, n: int) -> Tensor:
 
 def _varlen_fn():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # optional: torch >= 2.9
     except ImportError:
         return None
     return varlen_attn
 
 
-def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
+# ``auto`` on CUDA, from ``benchmarks/attention.py`` on the H200 (fwd+bwd, 49,152 tokens, BENCHMARKS.md):
+# torch's varlen kernel is fastest for (64, 64) heads, our Triton kernel for every other layer kind.
+VARLEN_MAX_HEAD_DIM = 64
+
+
+def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True,
+                    head_dim: Optional[int] = None) -> str:
     """Map ``auto`` to a concrete kernel and reject kernels the device cannot run.
 
-    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``.
+    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``;
+    ``head_dim`` (d_qk) lets ``auto`` pick per layer kind.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"model.gpt.attention_backend={backend!r}: choose one of {BACKENDS}")
+        hint = " (the plain-PyTorch path is 'reference')" if backend == "sdpa" else ""
+        raise ValueError(f"model.backends.attention={backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type != "cuda":
-            return "sdpa"
-        if same_head_dims and _varlen_fn() is not None:
+            return "reference"
+        small = head_dim is None or head_dim <= VARLEN_MAX_HEAD_DIM
+        if same_head_dims and small and _varlen_fn() is not None:
             return "varlen"
-        return "flex"
+        if triton_usable(device):
+            return "triton"
+        return "varlen" if same_head_dims and _varlen_fn() is not None else "flex"
     if backend in ("varlen", "flex") and device.type != "cuda":
         raise RuntimeError(
-            f"model.gpt.attention_backend={backend!r} needs a CUDA GPU but the model runs on {device}; "
-            f"use 'sdpa' or 'auto' on CPU"
+            f"model.backends.attention={backend!r} needs a CUDA GPU but the model runs on {device}; "
+            f"use 'reference' or 'auto' on CPU"
         )
-    if backend == "triton":
-        from nanogpt_pl.ops.triton import triton_usable
-
-        if not triton_usable(device):
-            raise RuntimeError(
-                f"model.gpt.attention_backend='triton' needs a CUDA GPU and triton but the model runs on {device}; "
-                f"use 'sdpa' or 'auto' on CPU"
-            )
+    if backend == "triton" and not triton_usable(device):
+        raise RuntimeError(
+            f"model.backends.attention='triton' needs a CUDA GPU with triton but the model runs on {device}; "
+            f"use 'reference' or 'auto' on CPU"
+        )
     if backend == "varlen":
         if _varlen_fn() is None:
             raise RuntimeError(
-                "model.gpt.attention_backend='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
+                "model.backends.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
                 "use 'flex' or 'auto'"
             )
         if not same_head_dims:  # torch's varlen kernel needs d_qk == d_v: narrow layers run on flex
@@ -98,7 +108,7 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
     return backend
 
 
-SDPA_BLOCK = 256  # query rows per dense block on the sdpa path
+SDPA_BLOCK = 256  # query rows per dense block on the reference path
 
 
 def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
@@ -140,14 +150,14 @@ _flex_compiled = None
 def _flex():
     global _flex_compiled
     if _flex_compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import flex_attention  # flex attention loads only when chosen
 
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return _flex_compiled
 
 
 def attention_flex(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # flex attention loads only when chosen
 
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)
@@ -155,7 +165,8 @@ def attention_flex(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: 
     def mask_mod(b, h, qi, ki):
         return (seg[qi] == seg[ki]) & (qi >= ki) & (qi - ki <= window)
 
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    # compiled mask construction: the eager one evaluates mask_mod on the dense n x n grid (OOM at 98k slots)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device, _compile=True)
     out = _flex()(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale
     )
@@ -173,7 +184,7 @@ def packed_attention(
     backend: str,
 ) -> Tensor:
     """Causal windowed attention inside segments. ``backend`` must already be resolved."""
-    if backend == "sdpa":
+    if backend == "reference":
         return attention_sdpa(q, k, v, cu_seqlens, window, scale)
     if backend == "varlen" and q.shape[-1] == v.shape[-1]:
         return attention_varlen(q, k, v, cu_seqlens, max_seqlen, window, scale)
@@ -350,7 +361,7 @@ class CausalSelfAttention(nn.Module):
             if s.gate:
                 self.gate = nn.Parameter(torch.full((s.num_heads,), ATTN_GATE_INIT))
         if s.fp8_qkv:
-            from ..ops.fp8 import Fp8LinearState
+            from ..ops.fp8 import Fp8LinearState  # FP8 (and Triton) load only when used
 
             # one exact weight scale per refresh over the layer's packed live QK‖V rows (RECORD §7)
             scale = {} if s.fp8_qkv_x_scale is None else {"x_scale": s.fp8_qkv_x_scale}
@@ -361,7 +372,7 @@ class CausalSelfAttention(nn.Module):
         parts = (live_rows(self.qk_w[0], s.num_heads, s.d_qk), live_rows(self.qk_w[1], s.num_heads, s.d_qk),
                  live_rows(self.v_w, s.num_heads, s.d_v))
         if s.fp8_qkv and self.training:
-            from ..ops.fp8 import fp8_linear
+            from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
 
             # row blocks that are views of the parameters, so the FP8 cache follows their versions
             blocks = (*live_row_blocks(self.qk_w[0], s.num_heads, s.d_qk),
@@ -410,7 +421,7 @@ class CausalSelfAttention(nn.Module):
             v = v + self.gated_value_embed(x, ve)[..., : s.d_v]
         if extra_v is not None:
             v = v + extra_v[..., : s.d_v]
-        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v)
+        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v, head_dim=s.d_qk)
         window, scale = ctx.windows[s.chain], ctx.scales[s.chain]
         if s.paired:
             y = packed_attention(to_paired(q), to_paired(k), to_paired(v), 2 * ctx.cu_seqlens,

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import Backends
+from ..data.tokenizer import PADDED_VOCAB
 from .attention import AttentionSpec, CausalSelfAttention, paired_positions, segment_positions
 from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
 from .mlp import MLP
@@ -107,13 +109,11 @@ class GPTConfig:
         mudd: MUDD gates and dense connections (RECORD §2); needs the record's 11-layer map.
         resid_lambda_init: start value of ρ, the residual scale of every sublayer (RECORD §2: √1.1).
         qkv_lambda_init: start value of λ₀, the scalar on the QKV weights (RECORD §2: 0.5).
-        attention_backend: ``auto``, ``sdpa`` (dense reference, CPU), ``varlen`` or ``flex`` (CUDA).
         fp8_mlp: run the MLP matmuls in FP8 (CUDA, or the PyTorch reference on CPU).
         fp8_head: run the lm_head matmuls in FP8.
         fp8_qkv: run the QKV projection in FP8.
         fp8_qkv_x_scale: static FP8 scale of the QKV input; None = the clip-free default
             (RECORD §7: 8/448, which clamps |x| > 8).
-        fp8_backend: ``auto``, ``scaled_mm`` (CUDA only) or ``reference`` (plain PyTorch).
         ngram_rows: rows of the hashed bigram + trigram table (RECORD §3: 84,602,880); 0 = no
             n-gram channel. The table lives outside the model (``nanogpt_pl.distributed.ngram_shard``);
             ``forward`` receives the rows a batch needs as ``ngram``.
@@ -121,7 +121,7 @@ class GPTConfig:
             its own gate (RECORD §3 "Injection": 1, 4, 5, 9; plus the residual start).
     """
 
-    vocab_size: int = 50304
+    vocab_size: int = PADDED_VOCAB
     num_layers: int = 11
     model_dim: int = 768
     num_heads: int = 6
@@ -148,12 +148,10 @@ class GPTConfig:
     mudd: bool = False
     resid_lambda_init: float = 1.0
     qkv_lambda_init: float = 1.0
-    attention_backend: str = "auto"
     fp8_mlp: bool = False
     fp8_head: bool = False
     fp8_qkv: bool = False
     fp8_qkv_x_scale: Optional[float] = None
-    fp8_backend: str = "auto"
     ngram_rows: int = 0
     ngram_layers: list[int] = field(default_factory=lambda: [1, 4, 5, 9])
 
@@ -265,14 +263,16 @@ class GPTConfig:
         out = {k for k in (self.skip_from, self.attn_input_cache) if k is not None}
         return out | (set(CACHE_LAYERS) if self.mudd else set())
 
-    def attention_spec(self, layer: int) -> AttentionSpec:
+    def attention_spec(self, layer: int, backends: Optional[Backends] = None) -> AttentionSpec:
+        """Layer ``layer``'s attention; ``backends`` (``model.backends``, default all ``auto``) picks its kernels."""
+        backends = Backends() if backends is None else backends
         d_qk, d_v = self.widths(layer)
         return AttentionSpec(
             model_dim=self.model_dim, num_heads=self.num_heads, head_dim=self.head_dim, d_qk=d_qk, d_v=d_v,
             chain=self.chain(layer), paired=layer in self.paired_layers, key_offset=layer in self.key_offset_layers,
             xsa=layer in self.xsa_layers, gate=layer in self.attn_gate_layers, dynamic_gates=self.mudd,
             value_embed=layer in self.value_embed_layers and not self.mixed_layer(layer),
-            backend=self.attention_backend, fp8_qkv=self.fp8_qkv, fp8_backend=self.fp8_backend,
+            backend=backends.attention, fp8_qkv=self.fp8_qkv, fp8_backend=backends.fp8,
             fp8_qkv_x_scale=self.fp8_qkv_x_scale, qkv_lambda_init=self.qkv_lambda_init,
         )
 
@@ -334,14 +334,14 @@ class Block(nn.Module):
     injections (layers 4, 7 and 9).
     """
 
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, backends: Backends) -> None:
         super().__init__()
         self.layer = layer
         self.skip_target = layer == cfg.skip_to
-        self.attn = CausalSelfAttention(cfg.attention_spec(layer)) if cfg.has_attention(layer) else None
+        self.attn = CausalSelfAttention(cfg.attention_spec(layer, backends)) if cfg.has_attention(layer) else None
 
         def mlp() -> MLP:
-            return MLP(cfg.model_dim, cfg.mlp_hidden, fp8=cfg.fp8_mlp, fp8_backend=cfg.fp8_backend)
+            return MLP(cfg.model_dim, cfg.mlp_hidden, fp8=cfg.fp8_mlp, fp8_backend=backends.fp8)
 
         self.mlp = mlp() if cfg.has_mlp(layer) else None
         # RECORD §2: a second MLP on layer 8 reads the same normed input, added with the same post-lambda
@@ -380,9 +380,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids of a packed micro-batch -> final normalized hidden states."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, backends: Optional[Backends] = None) -> None:
+        """``backends``: the attention and FP8 implementations (``model.backends``); default all ``auto``."""
         super().__init__()
         self.cfg = cfg
+        backends = Backends() if backends is None else backends
         d = cfg.model_dim
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d) * LM_HEAD_INIT_STD)
         # RECORD §2: the embedding starts as a copy of the lm_head (the training module keeps the
@@ -400,7 +402,7 @@ class GPT(nn.Module):
         self.rotaries = nn.ModuleDict(
             {"short": Rotary(cfg.head_dim, cfg.attn_scale), "long": Rotary(cfg.head_dim, long_scale)}
         )
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i, backends) for i in range(cfg.num_layers))
         if cfg.smear:
             self.smear_gate = nn.Parameter(torch.zeros(1, SMEAR_CHANNELS))
             self.smear_lambda = nn.Parameter(torch.zeros(()))
@@ -409,10 +411,10 @@ class GPT(nn.Module):
         self.mudd = Mudd(d, cfg.num_heads) if cfg.mudd else None
         self.fp8_head = None
         if cfg.fp8_head:
-            from ..ops.fp8 import Fp8Head
+            from ..ops.fp8 import Fp8Head  # FP8 (and Triton) load only when used
 
             # the lm_head GEMMs of the training loss (RECORD §7); validation stays bf16
-            self.fp8_head = Fp8Head(backend=cfg.fp8_backend)
+            self.fp8_head = Fp8Head(backend=backends.fp8)
 
     # -- embeddings ------------------------------------------------------------------
     def _embed(self, input_ids: Tensor) -> Tensor:

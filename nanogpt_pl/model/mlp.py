@@ -29,13 +29,13 @@ class MLP(nn.Module):
         nn.init.uniform_(self.fc_w, -bound, bound)
         self.fp8 = fp8
         if fp8:
-            from ..ops.fp8 import Fp8MLPState
+            from ..ops.fp8 import Fp8MLPState  # FP8 (and Triton) load only when used
 
             self.fp8_state = Fp8MLPState(backend=fp8_backend)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 and self.training:
-            from ..ops.fp8 import fp8_mlp
+            from ..ops.fp8 import fp8_mlp  # FP8 (and Triton) load only when used
 
             return fp8_mlp(x, self.fc_w, self.proj_w, self.fp8_state)
         h = F.relu(x @ self.fc_w.type_as(x).t()).square()

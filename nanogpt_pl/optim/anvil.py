@@ -179,6 +179,7 @@ class _Fused:
         try:
             out = self.compiled(*args)
         except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            # error path only; torch._dynamo is slow to import
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
             if not isinstance(err, (BackendCompilerFailed, Unsupported, TorchRuntimeError)):
@@ -304,7 +305,7 @@ class Anvil(torch.optim.Optimizer):
         fast_beta_engaged: β of the fast rail once engaged (0.85).
         engage_step: first step (0-based) of the blend (514).
         maps: the cascade's (a, b, c) coefficients (default: the record's ``ANVIL_MAPS``).
-        backend: ``auto``, ``torch`` or ``triton`` for the cascade's Gram/polynomial kernels.
+        backend: ``auto``, ``reference`` or ``triton`` for the cascade's Gram/polynomial kernels.
         compile: fuse the elementwise parts with torch.compile (None = off: on the H200 the
             compiled update of one rank's share took 10.1 ms against 4.2 ms eager, BENCHMARKS.md).
         cuda_graph: capture each bank's local work (copy of the owned matrices, rails, cascade,
@@ -385,7 +386,7 @@ class Anvil(torch.optim.Optimizer):
                 if id(p) in seen:
                     raise ValueError(f"Anvil got the parameter of shape {tuple(p.shape)} twice; pass each matrix once")
                 seen.add(id(p))
-        if getattr(self, "_ready", False):
+        if self._ready:  # set before Optimizer.__init__ adds the first groups
             self._check_params()
             self._scalars = _ScalarStager(len(self.param_groups), self.device)
             for bank in self._banks:  # their graphs read the old scalar buffer

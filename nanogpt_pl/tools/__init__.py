@@ -18,7 +18,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError, Imp
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
-    from . import ablate, generate, plot
+    from . import ablate, generate, plot  # each command loads only when run (generate pulls in the model)
 
     mod = {"generate": generate, "plot": plot, "ablate": ablate}[command]
     parser = argparse.ArgumentParser(prog=f"nanogpt-pl {command}", description=mod.__doc__,

@@ -14,12 +14,16 @@ packed document) and costs nothing that matters at the lengths one samples by ha
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..data.tokenizer import EOT_TOKEN, VOCAB_SIZE
+from ..averaging import record_tracks, ship_tail
+from ..backends import Backends
+from ..data.tokenizer import EOT_TOKEN, TOKENIZER_VOCAB, get_encoding
+from ..distributed.side_files import RANK_LOCAL_KEY, load_rank_local
 from ..model.gpt import GPTConfig
 from ..module import AdamGroup, OptimConfig, SpeedrunModule
 from ..ops.cross_entropy import softcap
@@ -65,19 +69,14 @@ def _tail_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def _ship_tail(module: SpeedrunModule, state: dict[str, Any]) -> list[str]:
-    # the ship rule (order, blends, decontraction) lives with the callback that trains the
-    # accumulators; imported here only when a checkpoint carries unshipped ones
-    from callbacks.ema import TailAveraging, record_tracks
-
+    # the ship rule (order, blends, decontraction) is the one TailAveraging uses (nanogpt_pl.averaging)
     tracks = [t for t in record_tracks() if t.name in state["acc"]]
     unknown = sorted(set(state["acc"]) - {t.name for t in tracks})
     if unknown:
         raise ValueError(f"the checkpoint's tail accumulators {unknown} are not the record's tracks, so their blend "
                          "is unknown here; pass --no-tail-average to sample from the live weights")
-    tail = TailAveraging(tracks=tracks)
-    tail.load_state_dict(state)
-    tail.on_train_start(None, module)  # moves the accumulators onto the module's device
-    tail.ship(module)
+    acc = {k: [t.to(module.device) for t in v] for k, v in state["acc"].items()}
+    ship_tail(module.model, tracks, acc)
     return [t.name for t in tracks]
 
 
@@ -92,8 +91,6 @@ def load_for_sampling(checkpoint_path: str | Path, device: str | torch.device = 
         windows: (short, long) attention windows; default: the schedule's validation windows
             saved in the checkpoint.
     """
-    from ..distributed.side_files import RANK_LOCAL_KEY, load_rank_local
-
     path = find_checkpoint(checkpoint_path)
     device = torch.device(device)
     try:
@@ -112,9 +109,8 @@ def load_for_sampling(checkpoint_path: str | Path, device: str | torch.device = 
                          "generate reads single-rank checkpoints (train or save with --trainer.devices 1)")
     checkpoint = load_rank_local(checkpoint, path, 0, 1)
     # the validation forward: no FP8 (RECORD §12 "bf16, no fp8"), the device's attention kernel
-    gpt = dataclasses.replace(_config(GPTConfig, hp["gpt"]), attention_backend="auto", fp8_mlp=False,
-                              fp8_head=False, fp8_qkv=False)
-    module = SpeedrunModule(gpt=gpt, optim=_config(OptimConfig, hp["optim"]),
+    gpt = dataclasses.replace(_config(GPTConfig, hp["gpt"]), fp8_mlp=False, fp8_head=False, fp8_qkv=False)
+    module = SpeedrunModule(gpt=gpt, optim=_config(OptimConfig, hp["optim"]), backends=Backends(attention="auto"),
                             param_dtype="float32" if device.type == "cpu" else "auto")
     module.prepare_for_training(device)
     module.to(device)
@@ -169,7 +165,7 @@ def sample(module: SpeedrunModule, prompt: list[int], windows: tuple[int, int], 
     tokens = torch.tensor(prompt, dtype=torch.int64, device=device)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = next_token_logits(module, tokens, windows)[:VOCAB_SIZE]
+        logits = next_token_logits(module, tokens, windows)[:TOKENIZER_VOCAB]
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -189,8 +185,6 @@ def generate_text(checkpoint: str | Path, prompt: str = "", max_new_tokens: int 
                   top_k: Optional[int] = 50, seed: int = 1234, device: str = "cpu", tail_average: bool = True,
                   windows: Optional[tuple[int, int]] = None) -> tuple[str, str]:
     """(prompt + sampled text, which weights were used)."""
-    from ..data.tokenizer import get_encoding
-
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     enc = get_encoding()
@@ -215,8 +209,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
     text, which = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                                 args.top_k or None, args.seed, args.device, not args.no_tail_average,
                                 tuple(args.windows) if args.windows else None)

@@ -96,7 +96,7 @@ def plot_runs(runs: Sequence[RunLog], out_dir: str | Path, size: tuple[int, int]
               title: Optional[str] = None) -> list[Path]:
     """Write the figures of :data:`FIGURES` for ``runs`` into ``out_dir``; returns their paths."""
     try:
-        import matplotlib
+        import matplotlib  # optional: the [plot] extra
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install -e '.[plot]'") from e
     matplotlib.use("Agg")
