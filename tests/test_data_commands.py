@@ -10,14 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import FakeHub, random_documents
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import FakeHub, random_documents  # noqa: E402
-
-from nanogpt_pl.data import tokenizer  # noqa: E402
-from nanogpt_pl.data.commands import main  # noqa: E402
-from nanogpt_pl.data.shards import list_shards, write_shard  # noqa: E402
+from nanogpt_pl.data import tokenizer
+from nanogpt_pl.data.commands import main
+from nanogpt_pl.data.shards import list_shards, write_shard
 
 WHISPER_SDIST = Path("/tmp/wh/openai_whisper-20250625.tar.gz")
 NETWORK = os.environ.get("NANOGPT_PL_NETWORK_TESTS") == "1"
