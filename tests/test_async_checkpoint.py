@@ -30,13 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = 1 << 14
 
 
-@pytest.fixture(scope="module")
-def toy_files(tmp_path_factory):
-    from train_helpers import write_markov_shards
-
-    return write_markov_shards(tmp_path_factory.mktemp("toy"), n_train=150_000, n_val=20_000)
-
-
 def ngram_run(files, steps: int):
     from train_helpers import make_run, tiny_gpt, tiny_schedule
 
@@ -164,8 +157,8 @@ make_trainer({root!r}, callbacks=[ckpt], enable_checkpointing=True,
 def test_a_kill_during_the_background_write_leaves_no_complete_looking_checkpoint(toy_files, tmp_path, monkeypatch):
     """SIGKILL while the second save's side file is half written: the first checkpoint survives (its removal
     waits for the second save), ``last`` still points at it, and the broken one is named as incomplete."""
+    from conftest import LAUNCH_VARS
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_cli import LAUNCH_VARS
     from train_helpers import LossRecorder, make_trainer
 
     ckpt_dir = tmp_path / "ckpt"
@@ -216,10 +209,10 @@ def csv_losses(work: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_resume_from_async_side_files_bit_exact(tmp_path, monkeypatch):
+def test_two_gloo_ranks_resume_from_async_side_files_bit_exact(tmp_path, monkeypatch, toy_config, run_cli):
     """devices=2 through the CLI: a straight 6-step run with async checkpoints every 3 steps, and a run
     resumed from its step-3 checkpoint, end with the same weights, tables and Adam state bit for bit."""
-    from test_cli import LAUNCH_VARS, run_cli, toy_config
+    from conftest import LAUNCH_VARS
     from train_helpers import write_markov_shards
 
     for name in LAUNCH_VARS:
