@@ -18,9 +18,7 @@ from typing import Optional, Sequence
 
 from nanogpt_pl.data import fineweb as fineweb_mod
 from nanogpt_pl.data import prepare as prepare_mod
-
-# Errors a user can cause: reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError, ImportError, OSError)
+from nanogpt_pl.errors import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,20 +133,4 @@ def _run(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``nanogpt-pl data`` with ``argv`` (the words after ``data``); returns the exit status."""
-    try:
-        args = build_parser().parse_args(list(argv) if argv is not None else None)
-    except SystemExit as e:  # --help, or a usage error argparse already reported
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    try:
-        _run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_command(build_parser(), sys.argv[1:] if argv is None else argv, _run)

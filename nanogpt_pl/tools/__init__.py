@@ -8,14 +8,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Sequence
 
+from ..errors import run_command
+
 COMMANDS = ("generate", "plot", "ablate")
-
-# Errors a user can cause: reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError, ImportError, OSError)
-
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     from . import ablate, generate, plot  # each command loads only when run (generate pulls in the model)
@@ -31,15 +28,4 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Run ``nanogpt-pl COMMAND ...`` for one of :data:`COMMANDS`; returns the exit status."""
     argv = list(argv)
-    try:
-        args = build_parser(argv[0]).parse_args(argv[1:])
-    except SystemExit as e:  # --help, or a usage error argparse already reported
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    try:
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_command(build_parser(argv[0]), argv[1:], lambda args: args.run(args))
