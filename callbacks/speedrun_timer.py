@@ -22,6 +22,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from nanogpt_pl.capture import FrozenGC, schedule_key
+
 from .schedule import apply_schedule
 
 RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
@@ -32,8 +34,10 @@ def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
 
     Steps 0 and 1, the two steps on each side of every stage boundary, four steps from each
     optimizer event (ANVIL's engage step, the sparse cadence start, the untie), and the first
-    two steps of every new (batch shape, windows, candidates, MTP length, prefix on/off)
-    configuration; at most ``limit`` steps (RECORD §11 visits 37 of a budget of 40).
+    two steps of every new configuration (``nanogpt_pl.capture.schedule_key``: batch shape,
+    document cap, windows, candidates, MTP length, prefix weight), so each CUDA-graph key gets
+    its two untimed visits (capture, self-check); at most ``limit`` steps (RECORD §11 visits
+    37 of a budget of 40).
     """
     total = schedule.total_steps
     steps = {0, 1}
@@ -47,8 +51,7 @@ def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
             steps.update(range(e, min(total, e + 4)))
     seen = set()
     for s in range(total):
-        key = (schedule.batch_tokens(s), schedule.seq_len(s), schedule.windows(s), schedule.candidates(s),
-               len(schedule.mtp_weights(s)), schedule.prefix_weight(s) > 0)
+        key = schedule_key(schedule, s)
         if key not in seen:
             seen.add(key)
             steps.update(x for x in (s, s + 1) if x < total)
@@ -76,6 +79,7 @@ class SpeedrunTimer(L.Callback):
         self._t0: Optional[float] = None
         self.warmup_seconds = 0.0
         self.reached = False
+        self._gc = FrozenGC()  # RECORD §11: no garbage collection while the clock runs
 
     @staticmethod
     def _sync(pl_module: L.LightningModule) -> None:
@@ -114,6 +118,7 @@ class SpeedrunTimer(L.Callback):
         if trainer.global_step == 0:
             self.run_warmup(trainer, pl_module)
         self._sync(pl_module)
+        self._gc.pause()
         self._t0 = time.perf_counter()
 
     def _pause(self, pl_module: L.LightningModule) -> None:
@@ -121,6 +126,7 @@ class SpeedrunTimer(L.Callback):
             self._sync(pl_module)
             self.elapsed += time.perf_counter() - self._t0
             self._t0 = None
+        self._gc.resume()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -139,10 +145,14 @@ class SpeedrunTimer(L.Callback):
                                 "speedrun/reached_target": float(self.reached)}, step=trainer.global_step)
         if not trainer.should_stop:
             self._sync(pl_module)
+            self._gc.pause()
             self._t0 = time.perf_counter()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pause(pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._gc.resume()
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed, "reached": self.reached}

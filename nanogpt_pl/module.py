@@ -21,6 +21,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
 from .distributed.side_files import RANK_LOCAL_KEY
 from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .model.gpt import GPT, GPTConfig
@@ -158,6 +159,9 @@ class SpeedrunModule(L.LightningModule):
         loss_backend: ``auto``, ``reference``, ``chunked`` or ``triton`` for the training loss kernel.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
+        cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
+            graph per configuration key and replay it (``nanogpt_pl/capture.py``, RECORD §11); each
+            capture is checked against eager first. No effect on CPU (one warning if set).
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class SpeedrunModule(L.LightningModule):
         compile: bool = False,
         loss_backend: str = "auto",
         param_dtype: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -181,6 +186,7 @@ class SpeedrunModule(L.LightningModule):
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
+        self.cuda_graphs = cuda_graphs
         self.model = GPT(gpt)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None
@@ -191,6 +197,8 @@ class SpeedrunModule(L.LightningModule):
         self.__dict__["_forward"] = self.model
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
+        self.__dict__["_graphs"] = None  # capture.ModuleGraphs, built at the first step on a GPU
+        self._run_ahead = RunAhead()
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -220,10 +228,11 @@ class SpeedrunModule(L.LightningModule):
             for p in roles[name]:
                 p.data = p.data.to(dtype)
         self.sampler = SliceSamplers(self.gpt_config.vocab_size)
+        graphs = cuda_graphs_active(self.cuda_graphs, device)
         if self.sparse_channels is None:
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
-                                                         fixed_shapes=self.compile)
+                                                         fixed_shapes=self.compile or graphs)
             pending = getattr(self, "_pending_sparse_state", None)
             if pending is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(pending)
@@ -366,11 +375,17 @@ class SpeedrunModule(L.LightningModule):
         prefix = self.schedule.prefix_weight(step) > 0
         world, rank = self._world
         for a, mb in enumerate(micro):
+            # pinned like the loader's tensors, so the copy to the device does not block the host
+            pin = mb["targets"].is_pinned()
             if num is not None and num < self.gpt_config.vocab_size:
                 sampler = self.sampler.get(a * world + rank, len(micro) * world)
                 mb["candidates"] = sampler.build(mb["targets"], num)
+                if pin:
+                    mb["candidates"] = mb["candidates"].pin_memory()
             if prefix:
                 mb["prefix_targets"] = self._prefix_table()[mb["targets"].long()]
+                if pin:
+                    mb["prefix_targets"] = mb["prefix_targets"].pin_memory()
         return batch
 
     def _prefix_table(self) -> Tensor:
@@ -393,7 +408,8 @@ class SpeedrunModule(L.LightningModule):
         if head is not None:
             head.loss_rows = hidden.shape[0]  # the loss is a mean over these rows
         return lm_head_loss(
-            hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
+            hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"),
+            mtp_weights=mb.get("mtp_weights", s.mtp_weights),
             prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
             head=head,
         )
@@ -407,9 +423,18 @@ class SpeedrunModule(L.LightningModule):
         opt = self._plain_optimizer if self._plain_optimizer is not None else self.optimizers()
         micro = batch if isinstance(batch, list) else [batch]
         total = torch.zeros((), device=self.device)
+        graphs = self._step_graphs()
+        if graphs is not None:
+            graphs.begin_step()
         for mb in micro:
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+            if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
+                loss = graphs.micro_step(mb, sparse, len(micro))
+                if sparse:
+                    self.sparse_channels.push_grads(sparse)
+                total += loss
+                continue
             loss = self._micro_loss(mb, sparse)
             # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
             # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
@@ -436,7 +461,14 @@ class SpeedrunModule(L.LightningModule):
             with torch.no_grad():
                 emb.copy_(head)
         opt.zero_grad(set_to_none=True)
+        self._run_ahead.step_done(self.device)
         return total / len(micro)
+
+    def _step_graphs(self) -> Optional[ModuleGraphs]:
+        """The CUDA graphs of the training step (``model.cuda_graphs``), None when the step runs eagerly."""
+        if self._graphs is None and self.cuda_graphs and self.device.type == "cuda":
+            self.__dict__["_graphs"] = ModuleGraphs(self)
+        return self._graphs
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
         step = self.global_step  # optimizer steps completed before this one
@@ -446,12 +478,34 @@ class SpeedrunModule(L.LightningModule):
         # read by callbacks.throughput (ThroughputMonitor): dense-model FLOPs of this rank's step
         self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
                                                                        *self.settings.windows)
-        self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
+        if self._logs_at(step):
+            # read on the host only when the loggers write (every log_every_n_steps): the
+            # progress bar reads its value every step, which for a device tensor is a sync
+            loss = self.trainer.strategy.reduce(mean_loss.detach(), reduce_op="mean").cpu()
+            self.log("train/loss", loss, prog_bar=True, batch_size=1)
         self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
         self.log("lr", self.schedule.lr_mul(step), batch_size=1)
         # tokens this rank's documents lost to the step's max_doc_len (data.long_documents)
         self.log("train/doc_tokens_cut", float(sum(mb.get("doc_tokens_cut", 0) for mb in micro)), batch_size=1)
         return mean_loss
+
+    def _logs_at(self, step: int) -> bool:
+        """Whether the loggers write at the end of ``step`` (Lightning's ``log_every_n_steps``)."""
+        every = self.trainer.log_every_n_steps
+        last = self.schedule.total_steps if not self.trainer.max_steps or self.trainer.max_steps < 0 \
+            else min(self.schedule.total_steps, self.trainer.max_steps)
+        return every > 0 and ((step + 1) % every == 0 or step + 1 >= last)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``LightningModule.log``, with Python numbers logged as CPU tensors.
+
+        Lightning turns a number into a tensor on the module's device: on a GPU that is a
+        blocking host-to-device copy, a sync every step (with ``sync_dist`` the value must be
+        on the device, so it goes there as before).
+        """
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not kwargs.get("sync_dist"):
+            value = torch.tensor(float(value))
+        super().log(name, value, *args, **kwargs)
 
     # -- state capture (the speedrun timer resets to the start after its warmup) -------
     def capture_state(self) -> dict[str, Any]:
