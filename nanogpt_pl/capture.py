@@ -239,6 +239,8 @@ class StepGraphs:
         self._pool = None
         self._fingerprint: Optional[tuple] = None
         self.enabled = True
+        self.replays = 0  # micro-batches run from a graph (self-check replays not counted)
+        self.eager_runs = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def captured_keys(self) -> list:
@@ -285,6 +287,7 @@ class StepGraphs:
             entry = self.entries[key] = _Entry()
         entry.visits += 1
         if not self.enabled or entry.eager_only or (entry.graph is None and entry.visits < 2):
+            self.eager_runs += 1
             return self._eager(inputs, forward, backward)
         if entry.graph is None:
             return self._capture(key, entry, inputs, forward, backward)
@@ -303,6 +306,7 @@ class StepGraphs:
             for s, v in pairs:
                 s.copy_(v, non_blocking=True)
         entry.graph.replay()
+        self.replays += 1
         for s, v in pairs:
             if s.requires_grad and s.grad is not None:
                 v.grad = s.grad.clone()  # the next replay overwrites the static gradient
@@ -310,12 +314,15 @@ class StepGraphs:
 
     def _capture(self, key: Any, entry: _Entry, inputs: Any, forward, backward) -> Tensor:
         """Second visit: eager run on the capture stream, capture, replay, compare; keep the eager result."""
+        self.eager_runs += 1
         current = torch.cuda.current_stream()
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._pool = torch.cuda.graph_pool_handle()
         side = self._stream
-        stash = [p.grad for p in self.params]
+        # what the step accumulated so far; a persistent buffer is copied (the capture reuses it)
+        stash = [g.clone() if g is not None and g is self.grads.get(id(p)) else g
+                 for p, g in ((p, p.grad) for p in self.params)]
         for p in self.params:
             p.grad = None
         leaves = [v for _, v in _flatten(inputs) if isinstance(v, Tensor) and v.requires_grad]
