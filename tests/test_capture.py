@@ -357,3 +357,41 @@ def test_frozen_gc_pauses_and_restores_exactly():
     finally:
         gc.unfreeze()
         (gc.enable if was else gc.disable)()
+
+
+# -- the Lightning side: GC frozen on the clock, the loss read on the host only when logged ----------
+def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path):
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, write_markov_shards
+
+    from callbacks.speedrun_timer import SpeedrunTimer
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.enabled: list[bool] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.enabled.append(gc.isenabled())
+
+    files = write_markov_shards(tmp_path / "data", n_train=60_000, n_val=8_000)
+    module, data = make_run(files, tiny_schedule(6))
+    probe, rec = Probe(), LossRecorder()
+    trainer = make_trainer(tmp_path, callbacks=[SpeedrunTimer(warmup_steps=[]), probe, rec],
+                           logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=2)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        trainer.fit(module, data)
+        assert probe.enabled == [False] * 6  # RECORD §11: the GC is disabled for the timed loop
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # and restored when the clock stops
+    finally:
+        (gc.enable if was else gc.disable)()
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("*/metrics.csv")))))
+    logged = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    assert sorted(logged) == [1, 3, 5]  # every log_every_n_steps (and the last step), not every step
+    for step, value in logged.items():
+        assert value == pytest.approx(rec.losses[step], rel=1e-6)
+    assert all(r.get("lr") for r in rows if r.get("train/loss"))
