@@ -187,7 +187,7 @@ def _term_table(
         # copy; the prefix weight is a fill (its value is part of the graph's key)
         tail = torch.zeros(width - k_mtp, dtype=torch.float32, device=device)
         if use_prefix:
-            tail[0] = float(prefix_weight)
+            tail[:1].fill_(float(prefix_weight))
         return tpos, torch.cat([mtp_weights.to(device=device, dtype=torch.float32), tail]), n_terms, bad
     weights += [0.0] * (width - len(weights))
     tw = _to_device(torch.tensor(weights, dtype=torch.float32), device)
