@@ -192,6 +192,7 @@ class _Entry:
     graph: Any = None
     static_inputs: Any = None
     static_loss: Optional[Tensor] = None
+    static_grads: tuple = ()  # the gradients the graph writes for the sparse leaves, in input order
     used: tuple = ()  # parameters the key's backward gives a gradient
     eager_only: bool = False
 
@@ -235,6 +236,9 @@ class StepGraphs:
         self.entries: dict[Any, _Entry] = {}
         self.checks: dict[Any, SelfCheck] = {}
         self.grads: dict[int, Tensor] = {}  # id(param) -> persistent gradient buffer
+        # static input buffers by input layout: keys of one layout (same T) share them, since
+        # every replay copies its inputs in first
+        self._statics: dict[tuple, Any] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         self._pool = None
         self._fingerprint: Optional[tuple] = None
@@ -250,6 +254,7 @@ class StepGraphs:
         """Drop every graph and visit count (the next two visits of each key capture again)."""
         self.entries.clear()
         self.checks.clear()
+        self._statics.clear()
 
     def begin_step(self) -> None:
         """Verify the baked addresses (once per step); if any moved, drop the graphs."""
@@ -307,9 +312,10 @@ class StepGraphs:
                 s.copy_(v, non_blocking=True)
         entry.graph.replay()
         self.replays += 1
-        for s, v in pairs:
-            if s.requires_grad and s.grad is not None:
-                v.grad = s.grad.clone()  # the next replay overwrites the static gradient
+        leaves = [v for _, v in pairs if v.requires_grad]
+        for v, g in zip(leaves, entry.static_grads):
+            if g is not None:
+                v.grad = g.clone()  # the next replay overwrites the static gradient
         return entry.static_loss.clone()
 
     def _capture(self, key: Any, entry: _Entry, inputs: Any, forward, backward) -> Tensor:
@@ -338,7 +344,7 @@ class StepGraphs:
         used = tuple(p for p in self.params if p.grad is not None)
         leaf_grads = [v.grad for v in leaves]
         try:
-            graph, static_inputs, static_loss = self._record(used, inputs, forward)
+            graph, static_inputs, static_loss, static_grads = self._record(used, inputs, forward)
         except Exception as err:  # pragma: no cover - depends on the model and the GPU toolchain
             warnings.warn(f"CUDA graphs: capturing key {_short(key)} failed ({type(err).__name__}: {err}); "
                           "this key runs eagerly")
@@ -352,13 +358,12 @@ class StepGraphs:
             graph.replay()
             by_id = {id(p): g for p, g in zip(self.params, eager_grads)}
             pairs = [(by_id[id(p)], self.grads[id(p)]) for p in used]
-            static_leaves = [v for _, v in _flatten(static_inputs) if isinstance(v, Tensor) and v.requires_grad]
-            pairs += [(e, s.grad) for e, s in zip(leaf_grads, static_leaves) if e is not None and s.grad is not None]
+            pairs += [(e, g) for e, g in zip(leaf_grads, static_grads) if e is not None and g is not None]
             check = self._compare(loss_e, static_loss, pairs)
             self.checks[key] = check
             if check.passed:
                 entry.graph, entry.static_inputs, entry.static_loss = graph, static_inputs, static_loss
-                entry.used = used
+                entry.static_grads, entry.used = static_grads, used
                 if self.fingerprint is not None:
                     self._fingerprint = self.fingerprint()
             else:
@@ -378,11 +383,21 @@ class StepGraphs:
             v.grad = g
         return loss_e
 
-    def _record(self, used: Sequence[Tensor], inputs: Any, forward) -> tuple[Any, Any, Tensor]:
+    def _record(self, used: Sequence[Tensor], inputs: Any, forward) -> tuple[Any, Any, Tensor, tuple]:
         for p in used:
             if id(p) not in self.grads:
                 self.grads[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        static_inputs = _static_copy(inputs)
+        layout = input_layout(inputs)
+        static_inputs = self._statics.get(layout)
+        if static_inputs is None:
+            static_inputs = self._statics[layout] = _static_copy(inputs)
+        else:
+            with torch.no_grad():
+                for s, v in _tensor_pairs(static_inputs, inputs):
+                    s.copy_(v)
+        static_leaves = [v for _, v in _flatten(static_inputs) if isinstance(v, Tensor) and v.requires_grad]
+        for v in static_leaves:
+            v.grad = None  # this graph's backward writes a gradient of its own (another key's stays its)
         for p in self.params:
             p.grad = None
         self._attach(used)
@@ -394,7 +409,7 @@ class StepGraphs:
             loss, scaled = forward(static_inputs)
             torch.autograd.backward(scaled)
             static_loss = loss.detach()
-        return graph, static_inputs, static_loss
+        return graph, static_inputs, static_loss, tuple(v.grad for v in static_leaves)
 
     def _compare(self, loss_e: Tensor, loss_g: Tensor, grads: Sequence[tuple[Tensor, Tensor]]) -> SelfCheck:
         """Loss and whole-model gradient of the replay against the eager run's (``grads``: (eager, replay))."""

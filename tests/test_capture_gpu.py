@@ -131,23 +131,27 @@ def test_a_new_key_is_captured_and_an_old_one_replayed():
     apply_schedule(module, 0)
     graphs = module._step_graphs().graphs
     mb = step_batch(module, 0, seed=4, micro_batches=1, seq_len=SEQ)[0]
-    for _ in range(2):
-        _visit(module, mb)
+    base = [_visit(module, mb) for _ in range(2)][0]
     assert len(graphs.captured_keys()) == 1
     module.set_windows(128, 256)  # new short window: a new key
     first = _visit(module, mb)
     assert len(graphs.captured_keys()) == 1
     again = _visit(module, mb)
     assert len(graphs.captured_keys()) == 2 and _rel(again[0], first[0]) <= SELF_CHECK_RTOL
+    assert len(graphs._statics) == 1  # same T: the two keys share their input buffers
     long_mb = packed_micro_batch(5, 2 * SEQ, step=0)  # new T: another key
     long_mb = module.transfer_batch_to_device(module.prepare_batch([long_mb], 0), module.device, 0)[0]
     for _ in range(2):
         _visit(module, long_mb)
-    assert len(graphs.captured_keys()) == 3
+    assert len(graphs.captured_keys()) == 3 and len(graphs._statics) == 2
     module.set_windows(64, 256)
     replays = graphs.replays
     back = _visit(module, mb)
     assert graphs.replays == replays + 1 and len(graphs.captured_keys()) == 3
+    # the first key's graph still writes its own sparse-leaf gradients, not the later keys'
+    assert _rel(back[0], base[0]) <= SELF_CHECK_RTOL
+    for name, g in base[2].items():
+        assert _close(back[2][name], g), name
     module.set_windows(128, 256)
     assert _rel(_visit(module, mb)[0], first[0]) <= SELF_CHECK_RTOL
     assert back[0] != first[0]
