@@ -138,7 +138,7 @@ def test_default_warmup_steps_cover_every_configuration():
     steps = default_warmup_steps(Schedule(), limit=100)
     for boundary in (320, 681, 1107, 1174):
         assert {boundary - 2, boundary - 1, boundary, boundary + 1} <= set(steps)
-    # new candidate counts are new shapes; prefix-weight values are runtime scalars, not shapes
+    # new candidate counts are new shapes (and prefix-weight values new CUDA-graph keys: test_capture.py)
     assert {0, 1, 965, 966} <= set(steps)
     assert {514, 336, 339, 1175, 1176, 1177, 1178} <= set(steps)
     assert len(steps) <= 40 and default_warmup_steps(Schedule(), limit=10) == steps[:10]
