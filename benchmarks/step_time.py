@@ -200,7 +200,14 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)
         print(avg.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
     stream.close()
-    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy}
+    graphs = None
+    if getattr(module, "_graphs", None) is not None:
+        g = module._graphs.graphs
+        checks = ", ".join(f"loss {c.loss_rel:.1e} grads {c.grad_rel:.1e}{'' if c.passed else ' FAILED'}"
+                           for c in g.checks.values())
+        graphs = (f"{tag}: CUDA graphs: {len(g.captured_keys())} keys captured, {g.replays} micro-batches replayed, "
+                  f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}")
+    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 
 def main() -> None:
@@ -236,7 +243,7 @@ def main() -> None:
         else:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
-                                      "busy": result.get("busy"),
+                                      "busy": result.get("busy"), "graphs": result.get("graphs"),
                                       "flops_tok": result["gpt"].flops_per_token(
                                           stage["seq_len"], stage["window_short"], stage["window_long"])}))
         return
@@ -276,6 +283,9 @@ def main() -> None:
         ratio = f"{r['seconds'] / base['seconds']:.3f}x" if base else "-"
         busy = f"{100 * r['busy'] / r['seconds']:.1f}%" if r.get("busy") is not None else "-"
         print(f"{mode:<12} {ms:9.1f} {tps:12,.0f} {100 * mfu:6.1f}% {r['peak'] / 2**30:9.1f} {ratio:>9} {busy:>9}")
+    for r in results.values():
+        if r.get("graphs"):
+            print(r["graphs"])
     if "plain" in results and "plain-eager" in results:
         # the same loop and config with model.cuda_graphs=false: what the graphs buy (RECORD §11)
         print(f"captured/eager step time: {results['plain']['seconds'] / results['plain-eager']['seconds']:.3f}x "
