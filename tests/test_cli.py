@@ -112,6 +112,7 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
         "full_softmax.yaml": lambda c: all(s["candidates"] is None for s in c["schedule"]["stages"]),
         "adamw_matrices.yaml": lambda c: c["model"]["optim"]["matrix_optimizer"] == "adamw",
         "no_tail_averaging.yaml": lambda c: all("ema" not in cb["class_path"] for cb in c["trainer"]["callbacks"]),
+        "no_cuda_graphs.yaml": lambda c: c["model"]["cuda_graphs"] is False,
     }[ablation]
     assert expect(cfg)
 
