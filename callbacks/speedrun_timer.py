@@ -89,6 +89,9 @@ class SpeedrunTimer(L.Callback):
     def run_warmup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[int]:
         steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit)
                  if self.warmup_steps is None else list(self.warmup_steps))
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            # a run shortened with trainer.max_steps has no data planned past it
+            steps = [s for s in steps if s < trainer.max_steps]
         if not steps:
             return []
         start = time.perf_counter()

@@ -235,6 +235,16 @@ class SpeedrunModule(L.LightningModule):
         resolve_backend(self.gpt_config.attention_backend, device)
         cfg = self.gpt_config
         if device.type != "cuda":
+            # (model.optim.anvil_cuda_graph only applies on CUDA: elsewhere ANVIL runs eagerly, as documented)
+            gpu_only = ["--model.compile false"] if self.compile else []
+            if cfg.fp8_backend == "auto":
+                gpu_only += [f"--model.gpt.{k} false" for k in ("fp8_mlp", "fp8_head", "fp8_qkv") if getattr(cfg, k)]
+            if gpu_only:
+                raise RuntimeError(
+                    f"{', '.join(o.split()[0][2:] for o in gpu_only)} are GPU options and this run is on "
+                    f"{device.type}: add {' '.join(gpu_only)} (or --model.gpt.fp8_backend emulated to emulate FP8), "
+                    "or train configs/quickstart.yaml"
+                )
             if cfg.fp8_backend == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
                     "model.gpt.fp8_backend='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
@@ -288,6 +298,18 @@ class SpeedrunModule(L.LightningModule):
         """Set every param group's lr to its initial lr times ``scale``."""
         for group in self._combined().param_groups:
             group["lr"] = group["initial_lr"] * scale
+
+    def learning_rates(self) -> dict[str, float]:
+        """This step's learning rate of each optimizer part, as logged: ``lr/matrix`` (ANVIL's base lr,
+        before its per-shape sqrt(max(1, rows/cols)) factor; AdamW's lr), ``lr/adam_<group>`` and
+        ``lr/sparse_<channel>`` (lr times the group's lr_mul)."""
+        out: dict[str, float] = {}
+        for part_name, part in self._combined().parts.items():
+            for group in part.param_groups:
+                lr = float(group["lr"]) * float(group.get("lr_mul", 1.0))
+                key = "lr/matrix" if part_name == "matrices" else f"lr/{part_name}_{group.get('name', len(out))}"
+                out.setdefault(key, lr)
+        return out
 
     def set_momentum(self, momentum: float) -> None:
         """Set the momentum of the optimizer groups that have one (ANVIL)."""
@@ -445,7 +467,9 @@ class SpeedrunModule(L.LightningModule):
                                                                        *self.settings.windows)
         self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
         self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
-        self.log("lr", self.schedule.lr_mul(step), batch_size=1)
+        self.log("schedule/lr_mul", self.schedule.lr_mul(step), batch_size=1)
+        for name, lr in self.learning_rates().items():
+            self.log(name, lr, batch_size=1)
         # tokens this rank's documents lost to the step's max_doc_len (data.long_documents)
         self.log("train/doc_tokens_cut", float(sum(mb.get("doc_tokens_cut", 0) for mb in micro)), batch_size=1)
         return mean_loss

@@ -19,9 +19,6 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-# files Lightning writes into a run's log folder before the first step; a folder holding only
-# these belongs to a run that never trained
-_SETUP_FILES = {"config.yaml", "hparams.yaml"}
 
 
 def end_step(trainer: L.Trainer, schedule: Any) -> int:
@@ -57,8 +54,12 @@ def save_last(trainer: L.Trainer) -> list[str]:
 
 
 def remove_unused_log_dirs(trainer: L.Trainer) -> None:
-    """Delete this run's log folders when they hold nothing but the set-up files."""
-    if trainer.global_rank != 0:
+    """Delete this run's log folders when it failed before its first step.
+
+    Such a folder holds only what the loggers write at start (config.yaml, hparams.yaml, an
+    empty TensorBoard event file); one with metrics or a checkpoint is kept.
+    """
+    if trainer.global_rank != 0 or trainer.global_step > 0:
         return
     for logger in trainer.loggers:
         # a logger's log_dir property creates nothing; only look at folders that exist
@@ -66,7 +67,7 @@ def remove_unused_log_dirs(trainer: L.Trainer) -> None:
         if not log_dir or not Path(log_dir).is_dir():
             continue
         files = [p for p in Path(log_dir).rglob("*") if p.is_file()]
-        if all(p.name in _SETUP_FILES for p in files):
+        if not any(p.suffix == ".ckpt" or p.name == "metrics.csv" for p in files):
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
