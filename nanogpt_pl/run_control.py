@@ -20,7 +20,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
-
 def end_step(trainer: L.Trainer, schedule: Any) -> int:
     """The step after which this fit stops: the schedule's end, or ``trainer.max_steps`` if sooner."""
     end = schedule.total_steps
