@@ -13,7 +13,7 @@ command line as ``--schedule.stages.2.candidates null``.
 
 Checkpoints go to the run's log folder (``<save_dir>/<name>/version_N/checkpoints``) unless a
 ModelCheckpoint names a ``dirpath``; ``--ckpt_path last`` resumes the newest run of the config
-that saved one, and continues in its ``version_N`` folder.
+that saved one and fits the model, and continues in its ``version_N`` folder.
 
 Errors a user can cause print as one line; ``NANOGPT_PL_DEBUG=1`` (or ``--debug``) shows the
 traceback.
@@ -111,12 +111,36 @@ class _AppendingWriter(ExperimentWriter):
             self.metrics_keys = sorted(k for k in header.split(",") if k)
 
 
-def resolve_last(trainer) -> Optional[Path]:
-    """``--ckpt_path last``: this config's newest run that saved ``checkpoints/last.ckpt``.
+def checkpoint_mismatches(path: str | Path, module: torch.nn.Module) -> list[str]:
+    """How the weights in checkpoint ``path`` differ from ``module``'s (empty when they fit)."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("state_dict", {})
+    own = {k: v for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    state = {k: v for k, v in state.items() if torch.is_tensor(v)}
+    problems = []
+    for k in own:
+        if k not in state:
+            problems.append(f"{k} missing")
+        elif tuple(state[k].shape) != tuple(own[k].shape):
+            problems.append(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}")
+    return problems + [f"{k} not in this model" for k in state if k not in own]
 
-    Points every logger at that run's ``version_N`` so the resumed run continues its logs.
-    ``None`` when checkpoints go to an explicit ``dirpath`` (Lightning resolves ``last`` there)
-    or no run saved one.
+
+def check_checkpoint_fits(path: str | Path, module: torch.nn.Module) -> None:
+    """Raise a one-line error naming ``path`` and the first differing weights if it does not fit ``module``."""
+    problems = checkpoint_mismatches(path, module)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UserError(f"checkpoint {path} does not fit this model: {'; '.join(problems[:3])}{more}; "
+                        f"give the config it was trained with, or another --ckpt_path")
+
+
+def resolve_last(trainer, module: torch.nn.Module) -> Optional[Path]:
+    """``--ckpt_path last``: the newest ``checkpoints/last.ckpt`` among this config's runs that fits the model.
+
+    Runs of the config with another architecture (say ``--model.gpt.num_layers 2``) are passed over;
+    if no run's checkpoint fits, the newest one's mismatch is the error. Points every logger at
+    the chosen run's ``version_N`` so the resumed run continues its logs. ``None`` when checkpoints
+    go to an explicit ``dirpath`` (Lightning resolves ``last`` there) or no run saved one.
     """
     checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     if not trainer.loggers or not checkpoints or any(cb.dirpath is not None for cb in checkpoints):
@@ -129,31 +153,17 @@ def resolve_last(trainer) -> Optional[Path]:
             found.append((int(suffix), d / "checkpoints" / "last.ckpt"))
     if not found:
         return None
-    version, path = max(found)
+    found.sort(reverse=True)
+    fitting = [(v, p) for v, p in found if not checkpoint_mismatches(p, module)]
+    if not fitting:
+        check_checkpoint_fits(found[0][1], module)
+    version, path = fitting[0]
     for logger in trainer.loggers:
         if hasattr(logger, "_version"):
             logger._version = version
         if isinstance(logger, CSVLogger) and logger._experiment is None:
             logger._experiment = _AppendingWriter(log_dir=logger.log_dir)
     return path
-
-
-def check_checkpoint_fits(path: str | Path, module: torch.nn.Module) -> None:
-    """Raise a one-line error naming ``path`` and the first differing weights if it does not fit ``module``."""
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("state_dict", {})
-    own = {k: v for k, v in module.state_dict().items() if torch.is_tensor(v)}
-    state = {k: v for k, v in state.items() if torch.is_tensor(v)}
-    problems = []
-    for k in own:
-        if k not in state:
-            problems.append(f"{k} missing")
-        elif tuple(state[k].shape) != tuple(own[k].shape):
-            problems.append(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}")
-    problems += [f"{k} not in this model" for k in state if k not in own]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise UserError(f"checkpoint {path} does not fit this model: {'; '.join(problems[:3])}{more}; "
-                        f"give the config it was trained with, or another --ckpt_path")
 
 
 class SpeedrunCLI(LightningCLI):
@@ -186,7 +196,7 @@ class SpeedrunCLI(LightningCLI):
         section = self.config_init[self.subcommand]
         ckpt = section.get("ckpt_path")
         if ckpt == "last":
-            found = resolve_last(self.trainer)
+            found = resolve_last(self.trainer, self.model)
             if found is not None:
                 section["ckpt_path"] = ckpt = str(found)
         if ckpt and Path(ckpt).is_file():
@@ -199,9 +209,10 @@ class SpeedrunCLI(LightningCLI):
         self._resolve_checkpoint()
         ckpt = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt and Path(ckpt).is_file():
-            # validate/* rows carry the step the weights were trained to
+            # the rows carry the training step, as the fit's own validation rows do (the index
+            # of the last step trained, global_step - 1), not 0
             step = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False).get("global_step", 0)
-            self.trainer.fit_loop.epoch_loop._batches_that_stepped = step
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = max(step - 1, 0)
 
 
 # Lightning warns that with manual optimization a step checkpoint holds the weights after the

@@ -73,8 +73,8 @@ def remove_unused_log_dirs(trainer: L.Trainer) -> None:
 class RunControl(L.Callback):
     """Final checkpoint, SIGTERM/SIGINT handling, progress-bar total, no empty version folders.
 
-    - At the end of fit, ``last.ckpt`` holds the final step (Lightning saves only at
-      ``every_n_train_steps`` multiples and at epoch ends).
+    - ``last.ckpt`` holds the final step (Lightning saves only at ``every_n_train_steps``
+      multiples and at epoch ends): it is saved right after that step.
     - SIGTERM (Lightning's own handler) and the first SIGINT stop training after the current
       step; the step's checkpoint is saved as ``last.ckpt`` and the process exits with status 0.
       A second SIGINT interrupts at once.
@@ -121,9 +121,19 @@ class RunControl(L.Callback):
             remove_unused_log_dirs(trainer)
 
     # -- the final checkpoint ------------------------------------------------------------
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # Saved where ModelCheckpoint saves its step checkpoints (after the step, before the final
+        # validation, which leaves the weights as they are): a checkpoint written after the loops
+        # have finished would resume into empty epochs when the run is extended.
+        schedule = getattr(pl_module, "schedule", None)
+        if schedule is not None and trainer.global_step >= end_step(trainer, schedule):
+            self.saved = save_last(trainer)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
-        self.saved = save_last(trainer)
+        if not self.saved:  # the data ended before the schedule did
+            self.saved = save_last(trainer)
 
     # -- progress-bar total ------------------------------------------------------------
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
