@@ -120,19 +120,18 @@ def test_every_readme_and_config_command_runs(workdir):
     for command in commands:
         argv = argv_of(command)
         if argv[0] == "tensorboard":
-            proc = subprocess.Popen(argv + ["--port", "0"] if "--port" not in argv else argv, cwd=workdir,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            try:
-                deadline, seen = time.time() + 120, ""
-                while time.time() < deadline and "http://" not in seen:
-                    line = proc.stdout.readline()
-                    if not line and proc.poll() is not None:
-                        break
-                    seen += line
-                assert "http://" in seen, seen[-2000:]
-            finally:
-                proc.terminate()
-                proc.wait(30)
+            log = workdir / "tensorboard.out"
+            with open(log, "w") as out_file:
+                proc = subprocess.Popen(argv + ["--port", "0"], cwd=workdir, stdout=out_file,
+                                        stderr=subprocess.STDOUT, text=True)
+                try:
+                    deadline = time.time() + 120
+                    while time.time() < deadline and "http://" not in log.read_text() and proc.poll() is None:
+                        time.sleep(1)
+                    assert "http://" in log.read_text(), log.read_text()[-2000:]
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
             ran.append(command)
             continue
         if "data" in argv and argv[argv.index("data") + 1] == "fineweb":
@@ -166,3 +165,5 @@ def test_every_readme_and_config_command_runs(workdir):
     rows = list(csv.DictReader(open(resumed[0] / "metrics.csv")))
     steps = [int(r["step"]) for r in rows if r.get("train/loss")]
     assert steps == sorted(steps) and 2 in steps, steps  # the first run's rows kept, the resumed ones appended
+    # the fit's final validation and `validate` both at the last trained step (global_step 3 - 1)
+    assert [int(r["step"]) for r in rows if r.get("val/loss")][-2:] == [2, 2], rows
