@@ -107,7 +107,7 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
     cfg = yaml.safe_load(out.stdout)
     assert cfg["model"]["gpt"]["num_layers"] == 11  # the speedrun config underneath
     expect = {
-        "no_fp8.yaml": lambda c: not (c["model"]["gpt"]["fp8_mlp"] or c["model"]["gpt"]["fp8_head"]),
+        "no_fp8.yaml": lambda c: not any(c["model"]["gpt"][k] for k in ("fp8_mlp", "fp8_head", "fp8_qkv")),
         "no_ngram.yaml": lambda c: c["model"]["gpt"]["ngram_rows"] == 0,
         "full_softmax.yaml": lambda c: all(s["candidates"] is None for s in c["schedule"]["stages"]),
         "adamw_matrices.yaml": lambda c: c["model"]["optim"]["matrix_optimizer"] == "adamw",

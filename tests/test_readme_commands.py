@@ -50,7 +50,7 @@ def readme_commands() -> list[str]:
 def config_comment_commands() -> tuple[list[str], list[tuple[str, str, str]]]:
     """From configs/*.yaml comments: the commands (``#   python ...``) and the ``e.g. --key value`` switches."""
     commands, switches = [], []
-    for cfg in sorted((ROOT / "configs").glob("*.yaml")):
+    for cfg in sorted((ROOT / "configs").rglob("*.yaml")):
         for line in cfg.read_text().splitlines():
             if not line.startswith("#"):
                 continue
@@ -59,7 +59,7 @@ def config_comment_commands() -> tuple[list[str], list[tuple[str, str, str]]]:
                 commands.append(shlex.join(shlex.split(body, comments=True)))
                 continue
             for key, value in re.findall(r"(--[\w.]+) ([^\s,]+)", body):
-                switches.append((f"configs/{cfg.name}", key, value))
+                switches.append((str(cfg.relative_to(ROOT)), key, value))
     return commands, switches
 
 
