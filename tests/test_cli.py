@@ -224,12 +224,18 @@ def test_checkpoints_per_run_final_step_and_last_means_this_lineage(tmp_path, to
     for r in rows:
         if r.get("lr/matrix"):
             assert abs(float(r["lr/matrix"]) - 0.023 * float(r["schedule/lr_mul"])) < 1e-7
-    # a checkpoint that does not fit: one line naming the file and the shapes
-    other = runs / "version_1" / "checkpoints" / "last.ckpt"
-    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", str(other)], tmp_path)
+    # when no run's checkpoint fits: one line naming the newest one and the shapes
+    # (an explicit --ckpt_path FILE takes the model's hyperparameters from the file: LightningCLI)
+    own = runs / "version_0" / "checkpoints" / "last.ckpt"
+    own.rename(tmp_path / "aside.ckpt")
+    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last"], tmp_path)
+    (tmp_path / "aside.ckpt").rename(own)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert str(other) in last and re.search(r"checkpoint \(\d+, 64\) vs model \(\d+, 32\)", last), last
+    other = Path("logs") / "toy" / "version_1" / "checkpoints" / "last.ckpt"
+    assert f"checkpoint {tmp_path / other}" in last or f"checkpoint {other}" in last, last
+    assert re.search(r"checkpoint \(\d+, 64\) vs model \(\d+, 32\)", last), last
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0", "version_1"]
     # validate the resumed run's last checkpoint: its rows carry the training step
     out = run_cli(["validate", "--config", str(cfg), "--ckpt_path", "last"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -243,21 +249,22 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files):
 
     cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT, "trainer.enable_progress_bar": True})
     data = yaml.safe_load(cfg.read_text())
-    data["schedule"]["stages"][0]["steps"] = 400
+    data["schedule"]["stages"][0]["steps"] = 2000
+    data["data"]["epochs"] = 10
     cfg.write_text(yaml.safe_dump(data))
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    err = bytearray()
-    reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")])
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    err = bytearray()  # the progress bar writes to stdout, the stop message to stderr: both here
+    reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()
     try:
         deadline = time.time() + 300
-        # the progress bar knows the run's total (400 steps): wait for the third step
-        while time.time() < deadline and not re.search(rb" [3-9]/400 \[", bytes(err)) and proc.poll() is None:
+        # the progress bar knows the run's total (2000 steps): wait for the third step
+        while time.time() < deadline and not re.search(rb" [3-9]/2000 \[", bytes(err)) and proc.poll() is None:
             time.sleep(0.2)
-        assert re.search(rb" [3-9]/400 \[", bytes(err)), bytes(err)[-3000:]
+        assert re.search(rb" [3-9]/2000 \[", bytes(err)), bytes(err)[-3000:]
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
     finally:
@@ -270,7 +277,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files):
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+last\.ckpt)", text)
     assert stopped, text[-3000:]
     step = int(stopped.group(1))
-    assert 3 <= step < 400 and ckpt_step(tmp_path / stopped.group(2)) == step
+    assert 3 <= step < 2000 and ckpt_step(tmp_path / stopped.group(2)) == step
     # the interrupted run resumes from it
     out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last", "--trainer.max_steps", str(step + 1)],
                   tmp_path)
