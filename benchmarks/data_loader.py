@@ -37,8 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanogpt_pl.data.loader import BOS_ID, IndexedShard, ShardSet, TrainStream  # noqa: E402
+from nanogpt_pl.data.planning import BOS_ID, IndexedShard, ShardSet  # noqa: E402
 from nanogpt_pl.data.shards import write_shard  # noqa: E402
+from nanogpt_pl.data.stream import TrainStream  # noqa: E402
 from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
 
 SHARD_TOKENS = 100_000_000  # RECORD §1: tokens per FineWeb shard

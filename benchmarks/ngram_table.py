@@ -11,11 +11,15 @@ Three parts, all in one run (each can be selected with --part):
    unique rows, forward, full-softmax loss, backward, push of the compact gradient, and
    every 4th step the lazy row Adam event (RECORD §5 cadence), so the mean over 4-step
    cycles is the steady-state step. Dense optimizers are left out: they do not depend
-   on the table size. Target (issue 6): step time grows < 5% from 1M to 20M rows.
+   on the table size. Target (issue 6): step time grows < 5% from 1M to 20M rows. At
+   1M rows the fixed-capacity exchange (no host sync, padded leaves) is measured too,
+   as a ratio against the reference exchange.
 2. **exchange** (CPU, 8 gloo processes): the same channels at the record's 84.6M rows
    (row width ``--exchange-dim`` to keep host memory small), small per-rank batches of
    real text, a 4-step cadence; every all_to_all / all_gather is counted per rank. Value
    bytes are also shown rescaled to 768-wide bf16 rows (the GPU wire format).
+   Both exchanges run: ``reference`` (exact sizes) and ``fixed`` (fixed capacity, no
+   host sync: every destination gets a slot of the whole request, so it sends more).
 3. **model** (no device): bytes per rank per step for 8 GPUs at the record's batch
    (T = 49,152 tokens per rank, 2T row ids), from the unique-row fractions measured on
    real text (one batch for the per-step pull; four batches for the per-event push).
@@ -46,7 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanogpt_pl.distributed.ngram_shard import NgramShard, SparseChannels, ValueEmbedShard  # noqa: E402
+from nanogpt_pl.distributed.ngram_shard import NgramShard  # noqa: E402
+from nanogpt_pl.distributed.sparse_channels import SparseChannels  # noqa: E402
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard  # noqa: E402
 from nanogpt_pl.model.embeddings import RECORD_NGRAM_ROWS, HashedNgramEmbedding, ngram_row_ids  # noqa: E402
 from nanogpt_pl.optim.sparse_adam import SparseAdam  # noqa: E402
 
@@ -133,10 +139,11 @@ class ReadoutOnly(torch.nn.Module):
         return x
 
 
-def table_step_times(model, rows: int, batches: list, steps: int, warmup: int) -> dict:
+def table_step_times(model, rows: int, batches: list, steps: int, warmup: int, exchange: str = "reference") -> dict:
     device = model.lm_head.device
-    shard = NgramShard(rows, RECORD_DIM, device=device)
-    channels = SparseChannels(shard, ValueEmbedShard(list(model.value_embeds)))
+    shard = NgramShard(rows, RECORD_DIM, device=device, exchange=exchange)
+    channels = SparseChannels(shard, ValueEmbedShard(list(model.value_embeds), exchange=exchange),
+                              fixed_shapes=exchange == "fixed")
     opt = SparseAdam(channels.channels())
     opt.set_cadence_engaged(True)
     times, sparse_times = [], []
@@ -218,6 +225,10 @@ def part_table(args, tokens: np.ndarray) -> None:
     if len(results) > 1:
         growth = results[1]["step_ms"] / base - 1
         print(f"1M -> 20M rows: step time {growth:+.1%} (target < +5%): {'met' if growth < 0.05 else 'NOT met'}")
+    fixed = table_step_times(model, 1 << 20, batches, steps, warmup, exchange="fixed")
+    print(f"fixed exchange at {fixed['rows']:,} rows: step {fixed['step_ms']:.2f} ms "
+          f"({fixed['step_ms'] / base:.3f} x reference), sparse {fixed['sparse_ms']:.2f} ms "
+          f"({fixed['sparse_ms'] / results[0]['sparse_ms']:.3f} x reference), peak {fixed['peak_gib']:.2f} GiB")
     print("(sparse ms = hash + unique + pull, plus push and the amortized event; synchronized per phase)\n")
 
 
@@ -229,16 +240,16 @@ def _free_port() -> int:
 
 
 def _exchange_worker(rank: int, world: int, port: int, rows: int, dim: int, T: int, steps: int,
-                     tokens_path: str, out_dir: str) -> None:
+                     tokens_path: str, out_dir: str, exchange: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         tokens = np.load(tokens_path)
-        shard = NgramShard(rows, dim)
+        shard = NgramShard(rows, dim, exchange=exchange)
         planes = [torch.nn.Parameter(torch.zeros(VOCAB, dim)) for _ in range(VE_PLANES)]
-        channels = SparseChannels(shard, ValueEmbedShard(planes))
+        channels = SparseChannels(shard, ValueEmbedShard(planes, exchange=exchange), fixed_shapes=exchange == "fixed")
         opt = SparseAdam(channels.channels())
         opt.set_cadence_engaged(True)
         embed = HashedNgramEmbedding(dim)
@@ -258,7 +269,7 @@ def _exchange_worker(rank: int, world: int, port: int, rows: int, dim: int, T: i
         stats = {"ngram": (dict(shard.exchange.bytes_sent), dict(shard.exchange.bytes_received)),
                  "value_embeds": (dict(channels.value_embeds.exchange.bytes_sent),
                                   dict(channels.value_embeds.exchange.bytes_received))}
-        torch.save(stats, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(stats, Path(out_dir) / f"{exchange}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -272,21 +283,30 @@ def part_exchange(args, tokens: np.ndarray) -> None:
         path = os.path.join(tmp, "tokens.npy")
         np.save(path, tokens[: steps * WORLD * T + 1])
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        t0 = time.perf_counter()
-        mp.spawn(_exchange_worker, args=(WORLD, _free_port(), rows, dim, T, steps, path, tmp), nprocs=WORLD)
-        wall = time.perf_counter() - t0
-        stats = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        stats, wall = {}, {}
+        for exchange in ("reference", "fixed"):
+            t0 = time.perf_counter()
+            mp.spawn(_exchange_worker, args=(WORLD, _free_port(), rows, dim, T, steps, path, tmp, exchange),
+                     nprocs=WORLD)
+            wall[exchange] = time.perf_counter() - t0
+            stats[exchange] = [torch.load(Path(tmp) / f"{exchange}-rank{r}.pt", weights_only=False)
+                               for r in range(WORLD)]
     scale = RECORD_DIM * 2 / (dim * 4)  # fp32 rows of width dim -> bf16 rows of width 768
     print(f"## exchange: bytes per rank per step, measured at {WORLD} gloo ranks on CPU "
-          f"({steps} steps, T = {T:,} tokens per rank, {rows:,} rows x {dim} fp32, cadence {CADENCE}; {wall:.0f} s)")
-    print(f"{'channel':<13} {'kind':<14} {'sent B/step':>12} {'recv B/step':>12} {'as 768-wide bf16':>17}")
+          f"({steps} steps, T = {T:,} tokens per rank, {rows:,} rows x {dim} fp32, cadence {CADENCE}; "
+          f"reference {wall['reference']:.0f} s, fixed {wall['fixed']:.0f} s)")
+    print(f"{'exchange':<10} {'channel':<13} {'kind':<14} {'sent B/step':>12} {'recv B/step':>12} "
+          f"{'as 768-wide bf16':>17} {'sent / ref':>10}")
     for channel in ("ngram", "value_embeds"):
-        kinds = sorted(set().union(*(s[channel][0].keys() for s in stats)))
+        kinds = sorted(set().union(*(s[channel][0].keys() for runs in stats.values() for s in runs)))
         for kind in kinds:
-            sent = statistics.mean(s[channel][0].get(kind, 0) for s in stats) / steps
-            recv = statistics.mean(s[channel][1].get(kind, 0) for s in stats) / steps
-            wide = sent * scale if kind.endswith("values") else sent
-            print(f"{channel:<13} {kind:<14} {sent:>12,.0f} {recv:>12,.0f} {wide:>17,.0f}")
+            base = statistics.mean(s[channel][0].get(kind, 0) for s in stats["reference"]) / steps
+            for exchange, runs in stats.items():
+                sent = statistics.mean(s[channel][0].get(kind, 0) for s in runs) / steps
+                recv = statistics.mean(s[channel][1].get(kind, 0) for s in runs) / steps
+                wide = sent * scale if kind.endswith("values") else sent
+                ratio = f"{sent / base:>10.2f}" if base else f"{'-':>10}"
+                print(f"{exchange:<10} {channel:<13} {kind:<14} {sent:>12,.0f} {recv:>12,.0f} {wide:>17,.0f} {ratio}")
     print()
 
 

@@ -1,33 +1,31 @@
-"""CPU tests of the lm_head loss: reference, chunked fused path, sampling, prefix table.
+"""CPU tests of the lm_head loss: reference and chunked fused path, full and sampled.
 
 The Triton kernel itself is tested in test_cross_entropy_triton.py (CPU interpreter) and
-test_cross_entropy_gpu.py (real sizes).
+test_cross_entropy_gpu.py (real sizes); the candidate sampler in test_sampling.py and the
+prefix table in test_tokenizer.py.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
+from nanogpt_pl.backends import Backends
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
+from nanogpt_pl.module import SpeedrunModule
 from nanogpt_pl.ops.cross_entropy import (
-    CANDIDATE_MULTIPLE,
     SOFTCAP_MAX,
     SOFTCAP_SHIFT,
     SOFTCAP_WIDTH,
-    VOCAB_SIZE,
-    CandidateSampler,
-    HeadMatmul,
-    TorchHeadMatmul,
-    build_prefix_table,
-    default_chunk_rows,
     full_cross_entropy,
     lm_head_loss,
     softcap,
     softcap_ce_rows_reference,
 )
+from nanogpt_pl.ops.lm_head import HeadMatmul, TorchHeadMatmul, default_chunk_rows
+from nanogpt_pl.ops.sampling import CandidateSampler
 
 SEEDS = (0, 1, 2)
 
@@ -225,6 +223,9 @@ def test_missing_target_and_bad_inputs_raise():
         lm_head_loss(x, w, t, candidates=torch.tensor([3, 1, 2]))
     with pytest.raises(ValueError, match="unknown backend"):
         lm_head_loss(x, w, t, backend="cuda")
+    # One line naming the config option and every valid choice; the plain path is "reference".
+    with pytest.raises(ValueError, match=r"model\.backends\.loss .* auto, reference, chunked, triton$"):
+        lm_head_loss(x, w, t, backend="torch")
     with pytest.raises(ValueError, match="same D"):
         lm_head_loss(x[:, :5], w, t)
     with pytest.raises(ValueError, match="mtp_weights"):
@@ -233,6 +234,11 @@ def test_missing_target_and_bad_inputs_raise():
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             lm_head_loss(x, w, t, backend="triton")
 
+
+
+def test_module_rejects_an_unknown_loss_backend_at_construction():
+    with pytest.raises(ValueError, match=r"^unknown backend 'torch' .*model\.backends\.loss .* auto, reference"):
+        SpeedrunModule(backends=Backends(loss="torch"))
 
 # ---------------------------------------------------------------------------------------
 # Numerics
@@ -338,155 +344,14 @@ def test_validation_loss_is_full_softmax_whatever_the_candidates():
 
 def test_default_chunk_rows():
     # RECORD shapes: 49,152 rows of the full vocabulary in 6 chunks of 8,192 on the GPU.
-    assert default_chunk_rows(49152, VOCAB_SIZE, "cuda") == 8192
+    assert default_chunk_rows(49152, PADDED_VOCAB, "cuda") == 8192
     assert default_chunk_rows(49152, 10240, "cuda") == 24576
-    assert default_chunk_rows(262144, VOCAB_SIZE, "cuda") == 8192
-    assert default_chunk_rows(10, VOCAB_SIZE, "cpu") == 10
+    assert default_chunk_rows(262144, PADDED_VOCAB, "cuda") == 8192
+    assert default_chunk_rows(10, PADDED_VOCAB, "cpu") == 10
     for n, p in [(1000, 50304), (49152, 24576), (777, 3)]:
         rows = default_chunk_rows(n, p, "cpu")
         assert 1 <= rows <= n and (rows == n or rows % 128 == 0)
 
-
-# ---------------------------------------------------------------------------------------
-# Candidate sampler
-# ---------------------------------------------------------------------------------------
-
-
-def zipf_targets(seed, n, v=50257, a=1.1):
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, v + 1) ** a
-    return rng.choice(v, size=n, p=p / p.sum())
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 8])
-def test_candidate_set_contains_targets_unique_exact_size(world_size):
-    for seed in SEEDS:
-        for rank in range(world_size):
-            s = CandidateSampler(rank=rank, world_size=world_size)
-            for p in (10240, 14336, 24576):
-                t = zipf_targets(seed * 100 + rank, 16384)
-                extra = np.where(np.arange(t.size) % 3 == 0, -1, (t * 7) % 50257)
-                c = s.build(torch.from_numpy(t), p, extra=torch.from_numpy(extra))
-                assert c.dtype == torch.int64 and c.numel() == p
-                assert (c[1:] > c[:-1]).all(), "sorted and duplicate-free"
-                assert 0 <= int(c[0]) and int(c[-1]) < VOCAB_SIZE
-                assert torch.isin(torch.from_numpy(t), c).all()
-                assert torch.isin(torch.from_numpy(extra[extra >= 0]), c).all()
-
-
-def test_sampler_sweep_offsets_and_resume():
-    t = zipf_targets(0, 8192)
-    starts = [CandidateSampler(rank=r, world_size=8).offset for r in range(8)]
-    assert starts == [VOCAB_SIZE * r // 8 for r in range(8)]
-    a = CandidateSampler(rank=3, world_size=8)
-    first = a.build(t, 10240)
-    unique = np.unique(t).size
-    draw = min(VOCAB_SIZE, int((10240 - unique) * 1.7) + 256)
-    assert a.offset == (starts[3] + draw) % VOCAB_SIZE
-    # Negatives are the sweep's window, in order: perm[k] = 20011·k mod V.
-    window = (20011 * np.arange(starts[3], starts[3] + draw)) % VOCAB_SIZE
-    negs = np.setdiff1d(first.numpy(), np.unique(t))
-    fresh = window[~np.isin(window, t)][: 10240 - unique]
-    assert set(negs.tolist()) == set(fresh.tolist())
-    state = a.state_dict()
-    nxt = [a.build(zipf_targets(s, 8192), 14336) for s in (1, 2)]
-    b = CandidateSampler(rank=3, world_size=8)
-    b.load_state_dict([CandidateSampler(rank=r, world_size=8).state_dict() if r != 3 else state for r in range(8)])
-    assert all(torch.equal(x, b.build(zipf_targets(s, 8192), 14336)) for x, s in zip(nxt, (1, 2)))
-    with pytest.raises(ValueError, match="world_size"):
-        b.load_state_dict([state])
-
-
-def test_sampler_fills_when_window_runs_short():
-    # Nearly every class is a target: the sweep window holds too few free classes, so the
-    # gap is filled with evenly spaced free ones.
-    v = 4096
-    t = np.random.default_rng(0).permutation(v)[: v - 300]
-    s = CandidateSampler(v, stride=1001, multiple=128)
-    c = s.build(t, v - 256)
-    assert c.numel() == v - 256 and (c[1:] > c[:-1]).all() and torch.isin(torch.from_numpy(t), c).all()
-
-
-def test_sampler_errors_name_the_schedule_option():
-    s = CandidateSampler()
-    t = zipf_targets(0, 1000)
-    with pytest.raises(ValueError, match=r"schedule\.stages\[\*\]\.candidates"):
-        s.build(t, 10000)
-    many = np.arange(0, 50257, 4)[:12000]
-    with pytest.raises(ValueError, match=r"12000 distinct targets.*schedule\.stages\[\*\]\.candidates"):
-        s.build(many, 10240)
-    assert torch.equal(s.build(t, VOCAB_SIZE), torch.arange(VOCAB_SIZE))
-    with pytest.raises(ValueError, match="coprime"):
-        CandidateSampler(stride=2)
-    assert CANDIDATE_MULTIPLE == 2048
-
-
-def test_record_batch_fits_record_candidate_count():
-    # RECORD §6: logged headroom 34-61 % at P = 10,240; a Zipf(1.1) stand-in for text.
-    t = zipf_targets(0, 49152)
-    assert np.unique(t).size < 10240
-
-
-# ---------------------------------------------------------------------------------------
-# Prefix table
-# ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def encoding():
-    from nanogpt_pl.data.tokenizer import get_encoding
-
-    try:
-        return get_encoding()
-    except RuntimeError as e:
-        pytest.skip(f"tokenizer cache not seeded: {e}")
-
-
-def test_prefix_table_known_tokens(encoding):
-    table = build_prefix_table(encoding)
-    assert table.shape == (VOCAB_SIZE,) and table.dtype == torch.int64
-
-    def tok(s: str) -> int:
-        ids = encoding.encode(s)
-        assert len(ids) == 1, s
-        return ids[0]
-
-    for word, prefix in [(" the", " th"), (" th", " t"), ("ing", "in"), (" Paris", " Par"), ("hello", "hell")]:
-        assert int(table[tok(word)]) == tok(prefix), word
-    assert int(table[tok(".")]) == -1 and int(table[tok("a")]) == -1
-    assert int(table[50256]) == -1 and (table[50257:] == -1).all()
-
-
-def test_prefix_table_is_longest_strict_byte_prefix(encoding):
-    table = build_prefix_table(encoding)
-    tb = {i: encoding.decode_single_token_bytes(i) for i in range(50256)}
-    by_bytes = {b: i for i, b in tb.items()}
-    for i, b in tb.items():
-        j = int(table[i])
-        if len(b) == 1:
-            assert j == -1
-            continue
-        # Byte-level BPE: every single byte is a token, so every longer token has a prefix.
-        assert j >= 0, i
-        pb = tb[j]
-        assert len(pb) < len(b) and b.startswith(pb)
-    rng = np.random.default_rng(0)
-    for i in rng.choice(50256, 2000, replace=False).tolist():
-        b = tb[i]
-        longest = max((c for c in range(1, len(b)) if b[:c] in by_bytes), default=0)
-        assert (int(table[i]) == -1) if longest == 0 else (len(tb[int(table[i])]) == longest)
-
-
-def test_prefix_table_without_private_ranks(encoding):
-    class Public:
-        """An encoding exposing only tiktoken's public API."""
-
-        n_vocab = encoding.n_vocab
-        special_tokens_set = encoding.special_tokens_set
-        encode_single_token = staticmethod(encoding.encode_single_token)
-        decode_single_token_bytes = staticmethod(encoding.decode_single_token_bytes)
-
-    assert torch.equal(build_prefix_table(Public()), build_prefix_table(encoding))
 
 
 def test_autocast_runs_the_gemms_in_its_dtype():

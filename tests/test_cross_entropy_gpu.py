@@ -67,7 +67,7 @@ def test_full_vocabulary_fused_matches_reference():
 
 
 def test_sampled_fused_matches_reference_on_gathered_rows():
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler
+    from nanogpt_pl.ops.sampling import CandidateSampler
 
     x, w, t, pf = problem(1)
     cand = CandidateSampler(rank=1, world_size=8).build(t.cpu(), 10240)
@@ -93,7 +93,7 @@ def _compiled_variants(kernel) -> int | None:
 
 
 def test_switching_p_reuses_one_compiled_kernel():
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler
+    from nanogpt_pl.ops.sampling import CandidateSampler
     from nanogpt_pl.ops.triton import cross_entropy as tk
 
     x, w, t, pf = problem(2, n=8192)

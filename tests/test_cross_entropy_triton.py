@@ -113,7 +113,7 @@ def _loss_grads(x, w, t, **kw):
 @interp
 @pytest.mark.parametrize("seed", SEEDS)
 def test_lm_head_loss_triton_full_and_sampled(seed):
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler
+    from nanogpt_pl.ops.sampling import CandidateSampler
 
     x, w, t, pf = _problem(seed)
     kw = dict(mtp_weights=(1.0, 0.5, 0.25), prefix_targets=pf, prefix_weight=0.25)
@@ -127,7 +127,7 @@ def test_lm_head_loss_triton_full_and_sampled(seed):
 
 @interp
 def test_lm_head_loss_triton_bf16_and_switching_p():
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler
+    from nanogpt_pl.ops.sampling import CandidateSampler
 
     x, w, t, pf = _problem(7, v=512)
     sampler = CandidateSampler(512, multiple=128)

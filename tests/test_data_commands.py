@@ -10,14 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import FakeHub, random_documents
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import FakeHub, random_documents  # noqa: E402
-
-from nanogpt_pl.data import tokenizer  # noqa: E402
-from nanogpt_pl.data.commands import main  # noqa: E402
-from nanogpt_pl.data.shards import list_shards, write_shard  # noqa: E402
+from nanogpt_pl.data import tokenizer
+from nanogpt_pl.data.commands import main
+from nanogpt_pl.data.shards import list_shards, write_shard
 
 # The sdist member the tokenizer command reads (tokenizer.WHISPER_MEMBER), under the sdist's top folder.
 WHISPER_SDIST_NAME = "openai_whisper-20250625"
@@ -48,6 +45,19 @@ def test_prepare_command(tmp_path, capsys):
     # running again without --overwrite is a clear error, not a traceback
     rc = main(["prepare", str(src), "-o", str(out), "--name", "mine", "--workers", "1", "--no-progress"])
     assert rc == 1 and "--overwrite" in capsys.readouterr().err
+
+
+def test_prepare_a_single_text_file_with_defaults(tmp_path, capsys):
+    paras = [f"Paragraph {i}: " + " ".join(["word"] * (20 + i % 50)) for i in range(400)]
+    src = tmp_path / "mytext.txt"
+    src.write_text("\n\n".join(paras) + "\n")
+    out = tmp_path / "shards"
+    assert main(["prepare", "--help"]) == 0
+    assert "blank lines" in capsys.readouterr().out
+    assert main(["prepare", str(src), "-o", str(out), "--workers", "1", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "cut at blank lines into documents of at least 4,000 characters" in text
+    assert "validation: 1 documents" in text and f"--data.train_files '{out / 'data_train_*.bin'}'" in text
 
 
 def test_fineweb_command(tmp_path, capsys, monkeypatch):

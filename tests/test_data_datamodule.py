@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from data_fixtures import small_schedule, write_random_shards
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import small_schedule, write_random_shards  # noqa: E402
-
-from nanogpt_pl.data.datamodule import SpeedrunDataModule  # noqa: E402
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
+from nanogpt_pl.data.datamodule import SpeedrunDataModule
+from nanogpt_pl.data.shards import ShardError, write_shard
 
 
 class Recorder(L.LightningModule):
@@ -136,7 +132,7 @@ def test_batch_at_matches_the_stream_and_leaves_it_alone(tmp_path, data_dir):
 
 
 def _take_one(dm: SpeedrunDataModule, step: int):
-    from nanogpt_pl.data.loader import TrainStream
+    from nanogpt_pl.data.stream import TrainStream
 
     s = TrainStream(dm.train_files, dm.schedule, world_size=dm.world_size, rank=dm.rank, start_step=step,
                     pin_memory=False)

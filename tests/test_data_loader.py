@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import (  # noqa: E402
+from data_fixtures import (
     BOS,
     random_documents,
     read_tokens,
@@ -21,17 +16,16 @@ from data_fixtures import (  # noqa: E402
     write_random_shards,
 )
 
-from nanogpt_pl.data import loader as loader_mod  # noqa: E402
-from nanogpt_pl.data.loader import (  # noqa: E402
+from nanogpt_pl.data import stream as stream_mod
+from nanogpt_pl.data.planning import (
     DataExhaustedError,
     DocumentTooLongError,
-    TrainStream,
-    ValidationSet,
-    iter_steps,
     max_num_docs,
     pack_cu_seqlens,
 )
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
+from nanogpt_pl.data.shards import ShardError, write_shard
+from nanogpt_pl.data.stream import TrainStream, iter_steps
+from nanogpt_pl.data.validation import ValidationSet
 
 
 def _stream(paths, schedule, **kw):
@@ -294,7 +288,7 @@ def test_prefetch_thread_error_propagates(tmp_path, monkeypatch):
     T = 32
     sched = small_schedule([(20, 2 * T, T, 64)])
     paths = write_random_shards(tmp_path, 71, n_shards=1, docs_per_shard=200, mean_len=20)
-    real = loader_mod.build_micro_batch
+    real = stream_mod.build_micro_batch
     threads = set()
 
     def failing(shard, starts, lengths, seq_len, step, *a, **k):
@@ -303,7 +297,7 @@ def test_prefetch_thread_error_propagates(tmp_path, monkeypatch):
             raise RuntimeError("boom at step 5")
         return real(shard, starts, lengths, seq_len, step, *a, **k)
 
-    monkeypatch.setattr(loader_mod, "build_micro_batch", failing)
+    monkeypatch.setattr(stream_mod, "build_micro_batch", failing)
     stream = _stream(paths, sched, prefetch=3)
     got = []
     with pytest.raises(RuntimeError, match="boom at step 5"):

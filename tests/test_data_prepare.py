@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
-from pathlib import Path
+import stat
 
 import numpy as np
 import pytest
+from data_fixtures import BOS, read_tokens
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import BOS, read_tokens  # noqa: E402
-
-from nanogpt_pl.data.prepare import prepare  # noqa: E402
-from nanogpt_pl.data.shards import list_shards  # noqa: E402
-from nanogpt_pl.data.tokenizer import get_encoding  # noqa: E402
+from nanogpt_pl.data.prepare import DEFAULT_TXT_DOCUMENT_CHARS, prepare
+from nanogpt_pl.data.shards import list_shards
+from nanogpt_pl.data.tokenizer import get_encoding
 
 WORDS = ["the", "model", "attention", "λ", "naïve", "données", "<|endoftext|>", "3.28", "\n", "def", "(x)", "🙂", "  "]
 
@@ -70,7 +66,8 @@ def test_txt_files_and_separator_with_workers(tmp_path):
     with gzip.open(d / "part9.txt.gz", "wt", encoding="utf-8") as f:
         f.write(texts[0])
     # one document per file
-    whole = prepare([str(d)], str(tmp_path / "o1"), name="w", val_documents=1, workers=1, progress=False)
+    whole = prepare([str(d)], str(tmp_path / "o1"), name="w", val_documents=1, txt_document_chars=0, workers=1,
+                    progress=False)
     files = [(d / f"part{i}.txt").read_text() for i in range(4)] + [texts[0]]
     np.testing.assert_array_equal(
         np.concatenate([split_stream(whole.val_paths), split_stream(whole.train_paths)]), expected_stream(files)
@@ -117,3 +114,102 @@ def test_errors(tmp_path):
         prepare([str(good)], str(tmp_path / "o3"), val_fraction=0.001, workers=1, progress=False)
     with pytest.raises(ValueError, match="no training documents"):
         prepare([str(good)], str(tmp_path / "o4"), val_documents=100, workers=1, progress=False)
+
+
+def _paragraphs(seed: int, n: int) -> tuple[list[str], list[str]]:
+    """Paragraphs without blank lines, and the blank-line runs that follow each."""
+    rng = np.random.default_rng(seed)
+    words = [w for w in WORDS if w.strip()]
+    paras = []
+    for i in range(n):
+        lines = [" ".join(words[j] for j in rng.integers(0, len(words), size=int(rng.integers(3, 30))))
+                 for _ in range(int(rng.integers(1, 6)))]
+        paras.append(f"§{i} " + "\n".join(lines))
+    seps = [["\n\n", "\n\n\n", "\n \t\n", "\r\n\r\n"][int(k)] for k in rng.integers(0, 4, size=n - 1)] + [""]
+    return paras, seps
+
+
+def _greedy_documents(paras: list[str], seps: list[str], min_chars: int) -> list[str]:
+    """The rule stated in ``prepare --help``: a document closes at the first blank line once it
+    holds ``min_chars`` characters; the blank lines at a cut belong to neither document."""
+    docs, doc = [], ""
+    for p, s in zip(paras, seps):
+        doc += p
+        if len(doc) >= min_chars or not s:
+            docs.append(doc)
+            doc = ""
+        else:
+            doc += s
+    return docs
+
+
+def _decode_documents(paths) -> list[str]:
+    stream = split_stream(paths)
+    starts = np.flatnonzero(stream == BOS).tolist() + [stream.size]
+    enc = get_encoding()
+    return [enc.decode(stream[a + 1 : b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_single_txt_file_is_cut_at_blank_lines(tmp_path, seed):
+    paras, seps = _paragraphs(seed, 300)
+    src = tmp_path / "mytext.txt"
+    src.write_bytes("".join(p + s for p, s in zip(paras, seps)).encode())
+    res = prepare([str(src)], str(tmp_path / "out"), workers=1, progress=False)  # all defaults
+    want = _greedy_documents(paras, [s.replace("\r\n", "\n") for s in seps], DEFAULT_TXT_DOCUMENT_CHARS)
+    assert len(want) > 2
+    got = _decode_documents(res.val_paths) + _decode_documents(res.train_paths)
+    # the default split: document 0 and every 100th after it go to validation
+    val_idx = list(range(0, len(want), 100))
+    assert got == [want[i] for i in val_idx] + [d for i, d in enumerate(want) if i not in val_idx]
+    assert res.val_documents == len(val_idx) and res.train_documents == len(want) - len(val_idx)
+    assert all(len(d) >= DEFAULT_TXT_DOCUMENT_CHARS for d in want[:-1])
+    assert f"cut at blank lines into documents of at least {DEFAULT_TXT_DOCUMENT_CHARS:,} characters" in res.summary()
+
+
+def test_txt_without_blank_lines_is_cut_at_line_ends(tmp_path):
+    lines = [f"line {i} " + "w" * (i % 37) for i in range(400)]
+    src = tmp_path / "lines.txt"
+    src.write_text("\n".join(lines))
+    res = prepare([str(src)], str(tmp_path / "out"), txt_document_chars=500, val_documents=1, workers=1,
+                  progress=False)
+    want = _greedy_documents(lines, ["\n"] * (len(lines) - 1) + [""], 500)
+    assert _decode_documents(res.val_paths) + _decode_documents(res.train_paths) == want
+    assert "line ends" in res.summary()
+
+
+def test_failed_prepare_leaves_nothing_and_its_advice_works(tmp_path):
+    src = tmp_path / "tiny.txt"
+    src.write_text("A first short paragraph.\n\nA second one.\n\nAnd a third.\n")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"tiny.txt.* 1 document.*--txt-document-chars") as err:
+        prepare([str(src)], str(out), workers=1, progress=False)
+    assert "\n" not in str(err.value)
+    assert sorted(out.iterdir()) == []  # no shard, no temporary file: the next try is not blocked
+    with pytest.raises(ValueError, match=r"no training documents.*lower --val-documents below 3"):
+        prepare([str(src)], str(out), val_documents=5, txt_document_chars=10, workers=1, progress=False)
+    assert sorted(out.iterdir()) == []
+    res = prepare([str(src)], str(out), txt_document_chars=10, workers=1, progress=False)
+    assert (res.val_documents, res.train_documents) == (1, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["data_train_000001.bin", "data_val_000000.bin"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
+
+
+def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in random_texts(5, 200)))
+    out = tmp_path / "out"
+    import nanogpt_pl.data.prepare as prepare_mod
+
+    real, calls = prepare_mod.write_shard, []
+
+    def write_then_stop(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(path, tokens)
+
+    monkeypatch.setattr(prepare_mod, "write_shard", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(src)], str(out), shard_tokens=300, val_documents=20, workers=1, progress=False)
+    assert len(calls) == 3 and sorted(out.iterdir()) == []

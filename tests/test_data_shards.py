@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import os
+import stat
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from nanogpt_pl.data.shards import (  # noqa: E402
+from nanogpt_pl.data.shards import (
     HEADER_BYTES,
     SHARD_MAGIC,
     ShardError,
@@ -114,3 +112,12 @@ def test_list_shards_sorted(tmp_path):
     for name in ["b_000002.bin", "b_000010.bin", "b_000001.bin"]:
         write_shard(tmp_path / name, rng.integers(0, 100, 10))
     assert [p.name for p in list_shards(str(tmp_path / "b_*.bin"))] == ["b_000001.bin", "b_000002.bin", "b_000010.bin"]
+
+
+def test_written_shards_are_0644_and_leave_no_temporary(tmp_path, monkeypatch):
+    path = write_shard(tmp_path / "a.bin", np.arange(10, dtype=np.uint16))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        write_shard(tmp_path / "b.bin", np.arange(10, dtype=np.uint16))
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]

@@ -1,7 +1,7 @@
 """FP8 layers (nanogpt_pl.ops.fp8): accuracy against fp32, saturation, caches, delayed scales.
 
-CPU tests run the emulated backend (quantize, dequantize, fp32 matmul). ``cuda``-marked
-tests compare the fast path (torch._scaled_mm + Triton) with the emulation on the GPU.
+CPU tests run the reference backend (quantize, dequantize, fp32 matmul). ``cuda``-marked
+tests compare the fast path (torch._scaled_mm + Triton) with the reference backend on the GPU.
 
 Accuracy bounds (relative error norm ||a - b|| / ||b|| against the unquantized fp32
 computation, inputs = RMSNorm outputs and record-style weights). e4m3 rounding moves each
@@ -90,7 +90,7 @@ def test_mlp_matches_reference_within_bound(seed, shape):
     x0 = normed(n, d, gen)
     w1 = torch.nn.Parameter(fc_init(h, d, gen))
     w2 = torch.nn.Parameter(fc_init(h, d, gen))
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     # Three optimizer-step-like updates: the first call runs on the bootstrap scales,
     # the later ones on the delayed scales measured by the previous step.
     for _ in range(3):
@@ -113,7 +113,7 @@ def test_linear_matches_reference_within_bound(seed, grad_dtype, shape):
     n, d, o = shape
     gen = torch.Generator().manual_seed(seed)
     grad_scale = f8.QKV_GRAD_SCALE if grad_dtype == "e4m3" else f8.MLP_GRAD_SCALE
-    state = Fp8LinearState(grad_dtype=grad_dtype, grad_scale=grad_scale, backend="emulated")
+    state = Fp8LinearState(grad_dtype=grad_dtype, grad_scale=grad_scale, backend="reference")
     x = normed(n, d, gen).requires_grad_()
     w = torch.nn.Parameter(fc_init(o, d, gen))
     g = 0.1 * torch.randn(n, o, generator=gen)
@@ -128,6 +128,34 @@ def test_linear_matches_reference_within_bound(seed, grad_dtype, shape):
     assert rel(w.grad, wr.grad) < grad_bound
 
 
+def test_record_qkv_input_scale_is_8_over_448_and_saturates_beyond_8():
+    # RECORD §7 "Attention QKV": static input scale 8/448; the quantizer clamps at ±448, so an
+    # input beyond ±8 is stored as ±448 · 8/448 = ±8, exactly as if it had been clipped first.
+    state = Fp8LinearState.for_record_qkv(backend="reference")
+    assert state.x_scale.item() == torch.tensor(8.0 / 448.0).item()
+    assert state.exact_weight_scale and state.grad_dtype == E4M3
+    assert state.grad_scale.item() == torch.tensor(1.0 / 448.0).item()
+    gen = torch.Generator().manual_seed(41)
+    n, d, o = 40, 64, 96
+    x = 4 * normed(n, d, gen)  # |x| reaches ~15: a good share of the entries saturate
+    assert (x.abs() > 8).float().mean() > 0.02
+    w0 = fc_init(o, d, gen)
+    g = 0.1 * torch.randn(n, o, generator=gen)
+    out = []
+    for xi in (x, x.clamp(-8, 8)):
+        w = torch.nn.Parameter(w0.clone())
+        y = fp8_linear(xi, w, Fp8LinearState.for_record_qkv(backend="reference"))
+        y.backward(g)
+        out.append((y.detach(), w.grad))
+    assert all(t.isfinite().all() for t in out[0])
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    # Inside ±8 the record's scale is as accurate as any other e4m3 scale.
+    xs = normed(n, d, gen).requires_grad_()
+    w = torch.nn.Parameter(w0.clone())
+    y = fp8_linear(xs, w, Fp8LinearState.for_record_qkv(backend="reference"))
+    assert rel(y, xs.detach().double() @ w.detach().double().t()) < LINEAR_OUT_BOUND
+
+
 def test_linear_row_blocks_get_their_own_gradients():
     gen = torch.Generator().manual_seed(3)
     d = 64
@@ -135,12 +163,12 @@ def test_linear_row_blocks_get_their_own_gradients():
     v = torch.nn.Parameter(fc_init(32, d, gen))
     x = normed(24, d, gen)
     g = torch.randn(24, 96, generator=gen)
-    state = Fp8LinearState(backend="emulated")
+    state = Fp8LinearState(backend="reference")
     y = fp8_linear(x, (qk.flatten(0, 1), v), state)
     y.backward(g)
     # The stacked weight as one tensor gives the same output and the concatenated gradients.
     w = torch.nn.Parameter(torch.cat([qk.detach().flatten(0, 1), v.detach()]))
-    y2 = fp8_linear(x, w, Fp8LinearState(backend="emulated"))
+    y2 = fp8_linear(x, w, Fp8LinearState(backend="reference"))
     y2.backward(g)
     assert torch.equal(y, y2)
     assert torch.equal(torch.cat([qk.grad.flatten(0, 1), v.grad]), w.grad)
@@ -170,7 +198,7 @@ def test_mlp_saturates_without_inf_or_nan(x_mag, w_mag, g_mag):
     n, d, h = 32, 32, 64
     w1 = torch.nn.Parameter(w_mag * torch.randn(h, d, generator=gen))
     w2 = torch.nn.Parameter(w_mag * torch.randn(h, d, generator=gen))
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     for step in range(3):  # later steps run on delayed scales learned from the extreme values
         x0 = x_mag * torch.randn(n, d, generator=gen)
         g = g_mag * torch.randn(n, d, generator=gen)
@@ -188,7 +216,7 @@ def test_linear_and_head_saturate_without_inf_or_nan(mag):
     gen = torch.Generator().manual_seed(7)
     x = (mag * torch.randn(24, 64, generator=gen)).requires_grad_()
     w = torch.nn.Parameter(mag * torch.randn(48, 64, generator=gen))
-    for state in (Fp8LinearState(backend="emulated"), Fp8LinearState.for_lm_head(backend="emulated")):
+    for state in (Fp8LinearState(backend="reference"), Fp8LinearState.for_lm_head(backend="reference")):
         y = fp8_linear(x, w, state)
         y.backward(mag * torch.randn(24, 48, generator=gen))
         assert y.isfinite().all() and x.grad.isfinite().all() and w.grad.isfinite().all()
@@ -206,7 +234,7 @@ def test_mlp_cache_is_reused_across_micro_batches_and_refreshed_after_optimizer_
     w1 = torch.nn.Parameter(fc_init(h, d, gen))
     w2 = torch.nn.Parameter(fc_init(h, d, gen))
     opt = torch.optim.SGD([w1, w2], lr=0.5)
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     for _ in range(3):  # three micro-batches, one optimizer step
         run_mlp(normed(n, d, gen), w1, w2, torch.randn(n, d, generator=gen), state)
         w1.grad = w2.grad = torch.randn(h, d, generator=gen)
@@ -224,7 +252,7 @@ def test_updates_through_data_need_invalidate():
     gen = torch.Generator().manual_seed(12)
     w = torch.nn.Parameter(fc_init(48, 32, gen))
     x = normed(16, 32, gen)
-    state = Fp8LinearState(backend="emulated")
+    state = Fp8LinearState(backend="reference")
     y0 = fp8_linear(x, w, state)
     w.data.mul_(2.0)  # bypasses the version counter: invisible to the cache
     assert torch.equal(fp8_linear(x, w, state), y0)
@@ -239,19 +267,19 @@ def test_recomputed_weight_is_never_served_from_a_stale_cache():
     a = torch.nn.Parameter(fc_init(32, 32, gen))
     b = torch.nn.Parameter(fc_init(32, 32, gen))
     x = normed(16, 32, gen)
-    state = Fp8LinearState(backend="emulated")
+    state = Fp8LinearState(backend="reference")
     with pytest.warns(UserWarning, match="recomputed every forward"):
         fp8_linear(x, torch.cat([a, b]), state)
     with torch.no_grad():
         a.mul_(3.0)
     y = fp8_linear(x, torch.cat([a, b]), state)
-    want = fp8_linear(x, (a, b), Fp8LinearState(backend="emulated"))
+    want = fp8_linear(x, (a, b), Fp8LinearState(backend="reference"))
     assert torch.equal(y, want)
 
 
 def test_head_cache_refreshes_only_when_the_weight_changes():
     gen = torch.Generator().manual_seed(14)
-    head = Fp8Head(backend="emulated")
+    head = Fp8Head(backend="reference")
     w = torch.nn.Parameter(0.05 * torch.randn(64, 32, generator=gen))
     head.prepare(w, None, torch.float32)
     head.prepare(w, torch.arange(0, 64, 4), torch.float32)
@@ -274,7 +302,7 @@ def test_delayed_post_and_dpre_scales_follow_the_record_rule():
     n, d, h = 40, 32, 64
     w1 = torch.nn.Parameter(fc_init(h, d, gen))
     w2 = torch.nn.Parameter(fc_init(h, d, gen))
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     x0, g = normed(n, d, gen), torch.randn(n, d, generator=gen)
     run_mlp(x0, w1, w2, g, state)
     # Bootstrap scales (RECORD §7): post 1, dpre 2^-6.
@@ -295,7 +323,7 @@ def test_delayed_post_and_dpre_scales_follow_the_record_rule():
 
 
 def test_delayed_scales_keep_their_value_when_nothing_was_seen():
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     gen = torch.Generator().manual_seed(22)
     w1 = torch.nn.Parameter(fc_init(64, 32, gen))
     w2 = torch.nn.Parameter(fc_init(64, 32, gen))
@@ -313,7 +341,7 @@ def test_weight_scales_exact_for_16_refreshes_then_lagged():
     n, d, h = 16, 32, 64
     w1 = torch.nn.Parameter(fc_init(h, d, gen))
     w2 = torch.nn.Parameter(fc_init(h, d, gen))
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     x0, g = normed(n, d, gen), torch.randn(n, d, generator=gen)
     prev_amax = None
     for refresh in range(18):
@@ -335,7 +363,7 @@ def test_state_dict_carries_scales_and_not_caches():
     gen = torch.Generator().manual_seed(24)
     w1 = torch.nn.Parameter(fc_init(64, 32, gen))
     w2 = torch.nn.Parameter(fc_init(64, 32, gen))
-    a = Fp8MLPState(backend="emulated")
+    a = Fp8MLPState(backend="reference")
     for _ in range(2):
         run_mlp(normed(16, 32, gen), w1, w2, torch.randn(16, 32, generator=gen), a)
         with torch.no_grad():
@@ -343,7 +371,7 @@ def test_state_dict_carries_scales_and_not_caches():
     sd = a.state_dict()
     assert {"post_scale", "post_amax", "dpre_scale", "dpre_amax", "w1_scale", "w2_scale", "w1_amax",
             "w2_amax", "x_scale", "grad_scale", "refresh_count"} == set(sd)
-    b = Fp8MLPState(backend="emulated")
+    b = Fp8MLPState(backend="reference")
     b.load_state_dict(sd)
     assert b._refreshes == 2
     x0, g = normed(16, 32, gen), torch.randn(16, 32, generator=gen)
@@ -364,9 +392,9 @@ def test_eval_mode_is_the_plain_matmul():
     gen = torch.Generator().manual_seed(31)
     x = normed(16, 32, gen)
     w1, w2 = fc_init(64, 32, gen), fc_init(64, 32, gen)
-    state = Fp8MLPState(backend="emulated").eval()
+    state = Fp8MLPState(backend="reference").eval()
     assert torch.equal(fp8_mlp(x, w1, w2, state), mlp_reference(x, w1, w2))
-    lin = Fp8LinearState(backend="emulated").eval()
+    lin = Fp8LinearState(backend="reference").eval()
     assert torch.equal(fp8_linear(x, w1, lin), x @ w1.t())
     assert state._refreshes == 0 and float(state.post_amax) == 0.0
 
@@ -375,12 +403,23 @@ def test_eval_mode_is_the_plain_matmul():
 def test_forcing_scaled_mm_on_cpu_is_a_clear_error():
     gen = torch.Generator().manual_seed(32)
     x = normed(16, 32, gen)
-    with pytest.raises(RuntimeError, match=r"model\.gpt\.fp8_mlp.*compute capability >= 8\.9.*'emulated'"):
+    with pytest.raises(RuntimeError, match=r"model\.gpt\.fp8_mlp.*compute capability >= 8\.9.*'reference'"):
         fp8_mlp(x, fc_init(64, 32, gen), fc_init(64, 32, gen), Fp8MLPState(backend="scaled_mm"))
     with pytest.raises(RuntimeError, match=r"model\.gpt\.fp8_qkv"):
         fp8_linear(x, fc_init(64, 32, gen), Fp8LinearState(backend="scaled_mm"))
     with pytest.raises(RuntimeError, match=r"model\.gpt\.fp8_head"):
         Fp8Head(backend="scaled_mm").prepare(fc_init(64, 32, gen), None, torch.float32)
+
+
+@pytest.mark.parametrize("make", [Fp8MLPState, Fp8LinearState, Fp8Head])
+def test_a_backend_name_not_offered_names_the_option_and_the_choices(make):
+    # 'emulated' was the plain-PyTorch path's former name; one line points to 'reference'.
+    with pytest.raises(ValueError) as err:
+        make(backend="emulated")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("model.backends.fp8: unknown fp8 backend 'emulated'")
+    assert "'reference'" in msg and msg.endswith("choose one of auto, reference, scaled_mm")
 
 
 def test_bad_options_and_shapes_are_clear_errors():
@@ -392,9 +431,9 @@ def test_bad_options_and_shapes_are_clear_errors():
         Fp8LinearState(grad_dtype="e3m4")
     gen = torch.Generator().manual_seed(33)
     with pytest.raises(ValueError, match="fp8_mlp: expected"):
-        fp8_mlp(normed(8, 32, gen), fc_init(64, 32, gen), fc_init(32, 64, gen), Fp8MLPState(backend="emulated"))
+        fp8_mlp(normed(8, 32, gen), fc_init(64, 32, gen), fc_init(32, 64, gen), Fp8MLPState(backend="reference"))
     # The fast path needs multiples of 16 in every feature dimension.
-    state = Fp8MLPState(backend="emulated")
+    state = Fp8MLPState(backend="reference")
     state._kernels_override = f8._FAST
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_mlp(normed(8, 40, gen), fc_init(72, 40, gen), fc_init(72, 40, gen), state)
@@ -423,7 +462,7 @@ def test_fp8_head_in_the_fused_loss_matches_the_reference(seed, sampled):
         if name == "reference":
             loss = lm_head_loss(h, w, targets, candidates=candidates, backend="reference")
         else:
-            head = Fp8Head(backend="emulated", loss_rows=n if name == "fp8" else None)
+            head = Fp8Head(backend="reference", loss_rows=n if name == "fp8" else None)
             loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head,
                                 chunk_rows=40)
         loss.backward()
@@ -441,7 +480,7 @@ def test_fp8_head_in_the_fused_loss_matches_the_reference(seed, sampled):
 
 
 def test_fp8_head_divisor_follows_the_loss_normalization():
-    head = Fp8Head(backend="emulated", loss_rows=500)
+    head = Fp8Head(backend="reference", loss_rows=500)
     w = torch.nn.Parameter(0.05 * torch.randn(64, 32))
     x = normed(20, 32, torch.Generator().manual_seed(0))
     for n_rows, want in ((None, 500), (1000, 1000)):
@@ -458,8 +497,8 @@ def test_fp8_head_divisor_follows_the_loss_normalization():
 
 def test_states_keep_fp32_scales_when_the_model_is_cast():
     model = torch.nn.Module()
-    model.mlp = Fp8MLPState(backend="emulated")
-    model.head = Fp8Head(backend="emulated")
+    model.mlp = Fp8MLPState(backend="reference")
+    model.head = Fp8Head(backend="reference")
     with torch.no_grad():
         model.mlp.post_scale.fill_(0.0123456789)
     model.bfloat16()
@@ -469,13 +508,13 @@ def test_states_keep_fp32_scales_when_the_model_is_cast():
 
 
 # ---------------------------------------------------------------------------------------
-# Fast path against the emulation: the comparison harness
+# Fast path against the reference backend: the comparison harness
 # ---------------------------------------------------------------------------------------
 
-# Agreement of the fast and emulated paths when both run a step on the same scales.
+# Agreement of the fast and reference paths when both run a step on the same scales.
 # Quantization is bit-identical; the GEMMs accumulate in another order (the forward with
 # fast accumulation), which flips the rounding of a few elements by one FP8 step.
-FAST_VS_EMULATED_BOUND = 0.03
+FAST_VS_REFERENCE_BOUND = 0.03
 
 # How far one step's amaxes may legitimately differ between the two paths. Fast accumulation
 # can move the largest pre-activation across a bf16 rounding boundary, so allow two bf16
@@ -538,12 +577,12 @@ def compare_mlp_lockstep(state_a: Fp8MLPState, state_b: Fp8MLPState, x0: torch.T
     return problems, amax_moves
 
 
-class _FastAccumulationModel(f8._Emulated):
-    """The emulated backend with the forward GEMMs' fp32 accumulator perturbed by a relative
+class _FastAccumulationModel(f8._Reference):
+    """The reference backend with the forward GEMMs' fp32 accumulator perturbed by a relative
     2^-12 (seeded): a CPU stand-in for the GPU's fast FP8 accumulation, whose accumulator
     keeps only about 14 mantissa bits (DeepSeek-V3 technical report, FP8 training section).
     It flips the bf16 rounding of a few percent of the pre-activations, as the fast path does
-    against the emulation."""
+    against the reference backend."""
 
     REL_NOISE = 2.0**-12
 
@@ -555,8 +594,8 @@ class _FastAccumulationModel(f8._Emulated):
         if fast_accum:
             acc = acc * (1 + self.REL_NOISE * torch.randn(acc.shape, generator=self.gen))
         out = acc * (scale_a * scale_b)
-        if out_dtype in f8._FP8_MAX:
-            out = out.clamp(-f8._FP8_MAX[out_dtype], f8._FP8_MAX[out_dtype])
+        if out_dtype in f8.FP8_MAX:
+            out = out.clamp(-f8.FP8_MAX[out_dtype], f8.FP8_MAX[out_dtype])
         return out.to(out_dtype)
 
 
@@ -577,10 +616,10 @@ AMAX_MOVING_SEEDS = (13, 25, 35)
 @pytest.mark.parametrize("seed", AMAX_MOVING_SEEDS)
 def test_lockstep_comparison_tolerates_forward_accumulation_order(seed):
     x0, w10, w20, gs = _mlp_case(256, 256, 512, seed)
-    noisy = Fp8MLPState(backend="emulated")
+    noisy = Fp8MLPState(backend="reference")
     noisy._kernels_override = _FastAccumulationModel(seed)
-    exact = Fp8MLPState(backend="emulated")
-    problems, amax_moves = compare_mlp_lockstep(noisy, exact, x0, w10, w20, gs, FAST_VS_EMULATED_BOUND)
+    exact = Fp8MLPState(backend="reference")
+    problems, amax_moves = compare_mlp_lockstep(noisy, exact, x0, w10, w20, gs, FAST_VS_REFERENCE_BOUND)
     assert not problems, "\n".join(problems)
     # The case exercises the hazard: in some step the two paths measured different amaxes.
     assert max(amax_moves) > 0, amax_moves
@@ -590,30 +629,30 @@ def test_lockstep_comparison_tolerates_forward_accumulation_order(seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("relu2_kernel", ["elementwise", "gemm_epilogue"])
 @pytest.mark.parametrize("shape", [(4096, 768, 2816), (1000, 768, 2816), (2048, 256, 512)])
-def test_gpu_fast_mlp_matches_emulation(relu2_kernel, shape):
+def test_gpu_fast_mlp_matches_reference_backend(relu2_kernel, shape):
     x0, w10, w20, gs = _mlp_case(*shape, seed=sum(shape), device="cuda")
     fast = Fp8MLPState(backend="scaled_mm", relu2_kernel=relu2_kernel).cuda()
-    emu = Fp8MLPState(backend="emulated", relu2_kernel=relu2_kernel).cuda()
-    problems, amax_moves = compare_mlp_lockstep(fast, emu, x0, w10, w20, gs, FAST_VS_EMULATED_BOUND)
+    ref_state = Fp8MLPState(backend="reference", relu2_kernel=relu2_kernel).cuda()
+    problems, amax_moves = compare_mlp_lockstep(fast, ref_state, x0, w10, w20, gs, FAST_VS_REFERENCE_BOUND)
     assert not problems, "\n".join(problems) + f"\namax differences per step: {amax_moves}"
 
 
 # ---------------------------------------------------------------------------------------
-# GPU: the other fast paths against the emulation, at real sizes
+# GPU: the other fast paths against the reference backend, at real sizes
 # ---------------------------------------------------------------------------------------
 
 
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad_dtype", ["e4m3", "e5m2"])
-def test_gpu_fast_linear_matches_emulation_and_reference(grad_dtype):
+def test_gpu_fast_linear_matches_reference_backend_and_fp32(grad_dtype):
     gen = torch.Generator().manual_seed(5)
     n, d, o = 4000, 768, 2304
     x0 = normed(n, d, gen, "cuda", torch.bfloat16)
     w0 = fc_init(o, d, gen).cuda().bfloat16()
     g = (0.1 * torch.randn(n, o, generator=gen)).cuda().bfloat16()
     res = {}
-    for backend in ("scaled_mm", "emulated"):
+    for backend in ("scaled_mm", "reference"):
         x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         gscale = f8.QKV_GRAD_SCALE if grad_dtype == "e4m3" else f8.MLP_GRAD_SCALE
         state = Fp8LinearState(grad_dtype=grad_dtype, grad_scale=gscale, backend=backend).cuda()
@@ -623,8 +662,8 @@ def test_gpu_fast_linear_matches_emulation_and_reference(grad_dtype):
     xr, wr = x0.float().requires_grad_(), w0.float().requires_grad_()
     yr = xr @ wr.t()
     yr.backward(g.float())
-    for u, v, r in zip(res["scaled_mm"], res["emulated"], (yr, xr.grad, wr.grad)):
-        assert rel(u, v) < FAST_VS_EMULATED_BOUND
+    for u, v, r in zip(res["scaled_mm"], res["reference"], (yr, xr.grad, wr.grad)):
+        assert rel(u, v) < FAST_VS_REFERENCE_BOUND
         assert rel(u, r) < LINEAR_E5M2_GRAD_BOUND
 
 
@@ -650,8 +689,9 @@ def test_gpu_saturation_never_gives_inf_or_nan(scale):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("sampled", [False, True])
-def test_gpu_fp8_head_matches_emulation(sampled):
-    from nanogpt_pl.ops.cross_entropy import CandidateSampler, lm_head_loss
+def test_gpu_fp8_head_matches_reference_backend(sampled):
+    from nanogpt_pl.ops.cross_entropy import lm_head_loss
+    from nanogpt_pl.ops.sampling import CandidateSampler
 
     gen = torch.Generator().manual_seed(8)
     n, d, v = 4096, 768, 50304
@@ -660,7 +700,7 @@ def test_gpu_fp8_head_matches_emulation(sampled):
     targets = torch.randint(0, 50257, (n,), generator=gen).cuda()
     candidates = CandidateSampler(vocab_size=v).build(targets.cpu(), 10240) if sampled else None
     res = {}
-    for backend in ("scaled_mm", "emulated", "bf16"):
+    for backend in ("scaled_mm", "reference", "bf16"):
         h, w = hidden.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         head = None
         if backend != "bf16":
@@ -668,7 +708,7 @@ def test_gpu_fp8_head_matches_emulation(sampled):
         loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head, chunk_rows=1024)
         loss.backward()
         res[backend] = (loss.detach(), h.grad, w.grad)
-    for u, v_, r in zip(res["scaled_mm"], res["emulated"], res["bf16"]):
+    for u, v_, r in zip(res["scaled_mm"], res["reference"], res["bf16"]):
         assert u.isfinite().all()
-        assert rel(u, v_) < FAST_VS_EMULATED_BOUND
+        assert rel(u, v_) < FAST_VS_REFERENCE_BOUND
         assert rel(u, r) < 0.12

@@ -6,7 +6,7 @@ a child pytest process with it set, and only there do the ``interp`` tests run.
 
 On the CPU, ``torch._scaled_mm`` exists too, so the child also runs the complete fast
 backend (Triton quantize/epilogue kernels + ``_scaled_mm``, padding, the dual layouts) and
-compares it with the emulated backend. The kernels round to the FP8 and bf16 grids with
+compares it with the reference backend. The kernels round to the FP8 and bf16 grids with
 their own arithmetic (the interpreter's float conversions truncate), so the comparisons
 are exact wherever the arithmetic is the same.
 """
@@ -109,7 +109,7 @@ def test_rounding_helpers_equal_torch_casts(seed):
 
 @interp
 @pytest.mark.parametrize("seed", SEEDS)
-def test_elementwise_epilogues_equal_emulation(seed):
+def test_elementwise_epilogues_equal_reference(seed):
     from nanogpt_pl.ops.fp8 import quantize
     from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize
 
@@ -137,20 +137,20 @@ def test_elementwise_epilogues_equal_emulation(seed):
 @interp
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("k", [64, 80])
-def test_fused_gemm_epilogues_equal_emulation(seed, k):
-    from nanogpt_pl.ops.fp8 import _EMULATED
+def test_fused_gemm_epilogues_equal_reference(seed, k):
+    from nanogpt_pl.ops.fp8 import _REFERENCE
     from nanogpt_pl.ops.triton.fp8_mlp import fp8_gemm_dpre, fp8_gemm_relu2
 
     gen = torch.Generator().manual_seed(seed)
     m, n = 96, 80  # several tiles, a partial K block when k = 80
     # Small integers are exact in e4m3/e5m2 and their dot products are exact in fp32 in
-    # any order, so the kernel and the emulation must agree bit for bit.
+    # any order, so the kernel and the reference must agree bit for bit.
     x = torch.randint(-8, 9, (m, k), generator=gen).float().to(E4M3)
     w = torch.randint(-8, 9, (n, k), generator=gen).float().to(E4M3)
     xs, ws, inv_ps = torch.tensor(0.0625), torch.tensor(0.01), torch.tensor(1 / 0.03)
     amax_k, amax_e = torch.zeros(()), torch.zeros(())
     row, t = fp8_gemm_relu2(x, w, xs, ws, inv_ps, amax_k, config=SMALL_GEMM)
-    erow, et = _EMULATED.up_relu2(x, w, xs, ws, inv_ps, amax_e, False)
+    erow, et = _REFERENCE.up_relu2(x, w, xs, ws, inv_ps, amax_e, False)
     assert same_values(row, erow) and same_values(t, et) and torch.equal(amax_k, amax_e)
 
     g = torch.randint(-6, 7, (m, 64), generator=gen).float().to(E5M2)
@@ -158,7 +158,7 @@ def test_fused_gemm_epilogues_equal_emulation(seed, k):
     gs, w2s, ps, inv_ds = torch.tensor(2.0**-6), torch.tensor(0.004), torch.tensor(0.03), torch.tensor(5e4)
     d_k, d_e = torch.zeros(()), torch.zeros(())
     drow, dt = fp8_gemm_dpre(g, w2, gs, w2s, row, ps, inv_ds, d_k, config=SMALL_GEMM)
-    erow2, et2 = _EMULATED.dpre(g, w2, gs, w2s, row, ps, inv_ds, d_e, False)
+    erow2, et2 = _REFERENCE.dpre(g, w2, gs, w2s, row, ps, inv_ds, d_e, False)
     assert same_values(drow, erow2) and same_values(dt, et2) and torch.equal(d_k, d_e)
 
     # Random values: fp32 sums in another order may flip a bf16 rounding now and then.
@@ -166,13 +166,13 @@ def test_fused_gemm_epilogues_equal_emulation(seed, k):
     wr = (4 * torch.randn(n, k, generator=gen)).to(E4M3)
     a1, a2 = torch.zeros(()), torch.zeros(())
     r1, _ = fp8_gemm_relu2(xr, wr, xs, ws, inv_ps, a1, config=SMALL_GEMM)
-    r2, _ = _EMULATED.up_relu2(xr, wr, xs, ws, inv_ps, a2, False)
+    r2, _ = _REFERENCE.up_relu2(xr, wr, xs, ws, inv_ps, a2, False)
     assert (r1.float() != r2.float()).float().mean() < 0.005
     assert rel(r1.float(), r2.float()) < 0.01
 
 
 # ---------------------------------------------------------------------------------------
-# The whole fast path (Triton + torch._scaled_mm on the CPU) against the emulation
+# The whole fast path (Triton + torch._scaled_mm on the CPU) against the reference backend
 # ---------------------------------------------------------------------------------------
 
 
@@ -203,7 +203,7 @@ def _mlp_steps(fast, relu2_kernel, x0, w10, w20, gs):
     from nanogpt_pl.ops import fp8 as f8
 
     w1, w2 = torch.nn.Parameter(w10.clone()), torch.nn.Parameter(w20.clone())
-    state = f8.Fp8MLPState(backend="emulated", relu2_kernel=relu2_kernel)
+    state = f8.Fp8MLPState(backend="reference", relu2_kernel=relu2_kernel)
     if fast:
         state._kernels_override = f8._FAST
     out = []
@@ -226,7 +226,7 @@ def _mlp_steps(fast, relu2_kernel, x0, w10, w20, gs):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("relu2_kernel", ["elementwise", "gemm_epilogue"])
 @pytest.mark.parametrize("n", [72, 40])
-def test_fast_mlp_equals_emulated_mlp(seed, relu2_kernel, n, stale_memory):
+def test_fast_mlp_equals_reference_mlp(seed, relu2_kernel, n, stale_memory):
     gen = torch.Generator().manual_seed(seed)
     d, h = 64, 96  # n is not a multiple of 16: the fast path pads to 80 / 48 rows and slices
     x0 = F.rms_norm(torch.randn(n, d, generator=gen), (d,)).bfloat16()
@@ -234,11 +234,11 @@ def test_fast_mlp_equals_emulated_mlp(seed, relu2_kernel, n, stale_memory):
     w20 = (0.1 * torch.randn(h, d, generator=gen)).bfloat16()
     gs = [torch.randn(n, d, generator=gen).bfloat16() for _ in range(2)]
     fast = _mlp_steps(True, relu2_kernel, x0, w10, w20, gs)
-    emu = _mlp_steps(False, relu2_kernel, x0, w10, w20, gs)
+    ref = _mlp_steps(False, relu2_kernel, x0, w10, w20, gs)
     # Same quantization and epilogue arithmetic; the GEMMs sum in another order, which can
     # flip a bf16 rounding (2^-8 relative) here and there, and with it an FP8 rounding.
     # Step 1 runs on the delayed scales measured in step 0.
-    for step, (a, b) in enumerate(zip(fast, emu)):
+    for step, (a, b) in enumerate(zip(fast, ref)):
         for u, v in zip(a[:4], b[:4]):
             assert u.isfinite().all() and rel(u, v) < 5e-3, step
         for u, v in zip(a[4:], b[4:]):  # scales and amaxes
@@ -247,7 +247,7 @@ def test_fast_mlp_equals_emulated_mlp(seed, relu2_kernel, n, stale_memory):
 
 @interp
 @pytest.mark.parametrize("seed", SEEDS)
-def test_fast_linear_equals_emulated_linear(seed, stale_memory):
+def test_fast_linear_equals_reference_linear(seed, stale_memory):
     from nanogpt_pl.ops import fp8 as f8
 
     gen = torch.Generator().manual_seed(seed)
@@ -258,7 +258,7 @@ def test_fast_linear_equals_emulated_linear(seed, stale_memory):
     res = []
     for fast in (True, False):
         qk, v, x = torch.nn.Parameter(qk0.clone()), torch.nn.Parameter(v0.clone()), x0.clone().requires_grad_()
-        state = f8.Fp8LinearState(backend="emulated")
+        state = f8.Fp8LinearState(backend="reference")
         if fast:
             state._kernels_override = f8._FAST
         y = f8.fp8_linear(x, (qk.flatten(0, 1), v), state)
@@ -269,8 +269,33 @@ def test_fast_linear_equals_emulated_linear(seed, stale_memory):
 
 
 @interp
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fast_linear_at_the_record_qkv_scale_saturates_like_the_reference(seed, stale_memory):
+    # RECORD §7 QKV input scale 8/448: inputs beyond ±8 clamp at ±448 in both backends.
+    from nanogpt_pl.ops import fp8 as f8
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    n, d = 40, 64
+    x0 = 4 * F.rms_norm(torch.randn(n, d, generator=gen), (d,))
+    assert (x0.abs() > 8).any()
+    w0 = 0.1 * torch.randn(96, d, generator=gen)
+    g = 0.01 * torch.randn(n, 96, generator=gen)
+    res = []
+    for fast in (True, False):
+        w, x = torch.nn.Parameter(w0.clone()), x0.clone().requires_grad_()
+        state = f8.Fp8LinearState.for_record_qkv(backend="reference")
+        if fast:
+            state._kernels_override = f8._FAST
+        y = f8.fp8_linear(x, w, state)
+        y.backward(g)
+        res.append((y.detach(), x.grad, w.grad))
+    for u, v in zip(res[0], res[1]):
+        assert u.isfinite().all() and rel(u, v) < 1e-3
+
+
+@interp
 @pytest.mark.parametrize("sampled", [False, True])
-def test_fast_head_equals_emulated_head(sampled, stale_memory):
+def test_fast_head_equals_reference_head(sampled, stale_memory):
     from nanogpt_pl.ops import fp8 as f8
     from nanogpt_pl.ops.cross_entropy import lm_head_loss
 
@@ -286,7 +311,7 @@ def test_fast_head_equals_emulated_head(sampled, stale_memory):
     res = []
     for fast in (True, False):
         h, w = hidden.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
-        head = f8.Fp8Head(backend="emulated")
+        head = f8.Fp8Head(backend="reference")
         if fast:
             head.state._kernels_override = f8._FAST
         loss = lm_head_loss(h, w, targets, candidates=candidates, backend="chunked", head=head, chunk_rows=24)
@@ -305,7 +330,7 @@ def test_fast_head_gradient_buffer_pads_with_zero_bytes(r, stale_memory):
     from nanogpt_pl.ops import fp8 as f8
 
     gen = torch.Generator().manual_seed(r)
-    head = f8.Fp8Head(backend="emulated")
+    head = f8.Fp8Head(backend="reference")
     head.state._kernels_override = f8._FAST
     w = torch.nn.Parameter(0.05 * torch.randn(64, 32, generator=gen))
     x = F.rms_norm(torch.randn(r, 32, generator=gen), (32,))
@@ -358,7 +383,7 @@ def test_fused_mlp_refresh_equals_pytorch_refresh(seed):
     gen = torch.Generator().manual_seed(seed)
     w1 = torch.nn.Parameter((0.05 * torch.randn(96, 64, generator=gen)).bfloat16())
     w2 = torch.nn.Parameter((0.05 * torch.randn(96, 64, generator=gen)).bfloat16())
-    states = [f8.Fp8MLPState(backend="emulated", exact_weight_refreshes=2) for _ in range(2)]
+    states = [f8.Fp8MLPState(backend="reference", exact_weight_refreshes=2) for _ in range(2)]
     states[1]._kernels_override = f8._FAST
     amaxes = [(3.7, 1e-3), (float("nan"), 0.0), (float("inf"), 5e13), (0.0, float("-inf")), (123.4, 2.5e-7)]
     for step, (post_amax, dpre_amax) in enumerate(amaxes):

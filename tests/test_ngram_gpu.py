@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from nanogpt_pl.distributed.ngram_shard import NgramShard, ValueEmbedShard
+from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 from nanogpt_pl.model.embeddings import HashedNgramEmbedding
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,4 +83,56 @@ def test_cuda_value_embedding_channel_matches_cpu():
     for got, want, start in zip(*results, init):
         assert not torch.equal(got, start.float().cpu())
         # the CUDA tables are bf16 (one rounding per update), the CPU reference fp32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def test_cuda_fixed_exchange_never_waits_on_the_device():
+    """The fixed exchange at the record's batch shape under CUDA's sync debug mode set to 'error'.
+
+    Only the exchange calls (channel inputs, gradient hand-back, the event) run under the
+    check; the model's own backward (the embedding backward reads a segment count) does not.
+    The result matches the reference exchange (bf16 storage, atomics: not bit for bit).
+    """
+    from nanogpt_pl.distributed.sparse_channels import SparseChannels
+    from nanogpt_pl.optim.sparse_adam import SparseAdam
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    table = torch.randn(ROWS, DIM, device=dev, generator=gen).bfloat16() * 0.02
+    planes0 = [(torch.randn(VOCAB, DIM, device=dev, generator=gen) * 0.01).bfloat16() for _ in range(2)]
+    batches = [torch.randint(0, VOCAB, (T,), device=dev, generator=gen) for _ in range(2)]
+    w = torch.randn(DIM, device=dev, generator=gen)
+    embed = HashedNgramEmbedding(DIM).to(dev)
+    results = {}
+    for exchange in ("reference", "fixed"):
+        shard = NgramShard(ROWS, DIM, device=dev, exchange=exchange)
+        shard.weight.copy_(table)
+        planes = [torch.nn.Parameter(p.clone()) for p in planes0]
+        channels = SparseChannels(shard, ValueEmbedShard(planes, exchange=exchange), fixed_shapes=exchange == "fixed")
+        opt = SparseAdam(channels.channels())
+        for step, ids in enumerate(batches):
+            torch.cuda.synchronize()
+            if exchange == "fixed":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                inputs = channels.inputs(ids, train=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ve = inputs["value_rows"]
+            x = embed(inputs["ngram"], torch.float32) + torch.nn.functional.embedding(ve.index, ve.values.sum(0))
+            (x @ w).sin().sum().backward()
+            torch.cuda.synchronize()
+            if exchange == "fixed":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                channels.push_grads(inputs)
+                if step == len(batches) - 1:
+                    opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        results[exchange] = (shard.weight.float(), [p.detach().float() for p in planes])
+    (ref_table, ref_planes), (fix_table, fix_planes) = results["reference"], results["fixed"]
+    assert not torch.equal(ref_table, table.float())
+    torch.testing.assert_close(fix_table, ref_table, rtol=2e-2, atol=2e-3)
+    for got, want in zip(fix_planes, ref_planes):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)

@@ -27,15 +27,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanogpt_pl.distributed.ngram_shard import (
-    RANK_LOCAL_KEY,
-    NgramShard,
-    SparseChannels,
-    ValueEmbedShard,
-    load_rank_local,
-    rank_file,
-    save_rank_local,
-)
+from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.side_files import RANK_LOCAL_KEY, load_rank_local, rank_file, save_rank_local
+from nanogpt_pl.distributed.sparse_channels import SparseChannels
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 from nanogpt_pl.model.embeddings import (
     HashedNgramEmbedding,
     dense_ngram_reference,

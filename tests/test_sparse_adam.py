@@ -152,7 +152,8 @@ def spy_on_steps(channel):
 
 
 def test_sparse_adam_squares_betas_and_doubles_decay_when_the_cadence_engages():
-    from nanogpt_pl.distributed.ngram_shard import NgramShard, ValueEmbedShard
+    from nanogpt_pl.distributed.ngram_shard import NgramShard
+    from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 
     gen = torch.Generator().manual_seed(8)
     ngram = NgramShard(64, 4)

@@ -46,13 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument(
         "--val-fraction", type=float, default=None,
         help="this fraction of the documents, spread evenly, forms the validation split "
-        f"(default {prepare_mod.DEFAULT_VAL_FRACTION})",
+        f"(default: document 0 and every {round(1 / prepare_mod.DEFAULT_VAL_FRACTION)}th after it)",
     )
     p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     p.add_argument(
+        "--txt-document-chars", type=int, default=prepare_mod.DEFAULT_TXT_DOCUMENT_CHARS,
+        help="cut .txt files at blank lines (at line ends in a file without blank lines) into documents "
+        "of at least this many characters (default %(default)s); 0 keeps each file one document",
+    )
+    p.add_argument(
         "--txt-separator", default=None,
-        help=r"split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n'); "
-        "default: one document per file",
+        help=r"instead, split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n')",
     )
     p.add_argument("--workers", type=int, default=prepare_mod.DEFAULT_WORKERS, help="tokenizer processes")
     p.add_argument("--overwrite", action="store_true", help="replace existing NAME_* shards in the output directory")
@@ -101,6 +105,7 @@ def _run(args: argparse.Namespace) -> None:
             val_fraction=args.val_fraction,
             text_field=args.text_field,
             txt_separator=sep,
+            txt_document_chars=args.txt_document_chars,
             workers=args.workers,
             overwrite=args.overwrite,
             progress=not args.no_progress,
@@ -119,11 +124,11 @@ def _run(args: argparse.Namespace) -> None:
         for p in paths:
             print(p)
     elif args.command == "tokenizer":
-        from nanogpt_pl.data.tokenizer import seed_cache
+        from nanogpt_pl.data.tokenizer import seed_cache  # each sub-command loads only its own dependencies
 
         print(f"tokenizer cache seeded: {seed_cache(args.source)}")
     elif args.command == "corpus":
-        from nanogpt_pl.data.corpus import build_corpus
+        from nanogpt_pl.data.corpus import build_corpus  # each sub-command loads only its own dependencies
 
         print(build_corpus(args.cache_dir, force=args.force, progress=True).summary())
 

@@ -7,9 +7,11 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from nanogpt_pl.data.loader import TrainStream, ValidationSet, check_long_documents
+from nanogpt_pl.data.planning import check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
-from nanogpt_pl.data.tokenizer import VOCAB_SIZE
+from nanogpt_pl.data.stream import TrainStream
+from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
+from nanogpt_pl.data.validation import ValidationSet
 from nanogpt_pl.schedule import Schedule
 
 # RECORD.md §12: 10,485,760 validation tokens = 5 batches of 262,144 tokens on each of 8 ranks.
@@ -22,7 +24,7 @@ class SpeedrunDataModule(L.LightningDataModule):
     """BOS-aligned training batches and the fixed validation set, sized by the schedule.
 
     Each training step yields this rank's list of micro-batches (see
-    :class:`~nanogpt_pl.data.loader.TrainStream`); each validation batch is one dict.
+    :class:`~nanogpt_pl.data.stream.TrainStream`); each validation batch is one dict.
 
     Args:
         train_files: glob of training shards, e.g. ``data/fineweb10B/fineweb_train_*.bin``.
@@ -52,7 +54,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         corpus: Optional[str] = None,
         val_tokens: int = RECORD_VAL_TOKENS,
         val_seq_len: int = RECORD_VAL_SEQ_LEN,
-        vocab_size: int = VOCAB_SIZE,
+        vocab_size: int = TOKENIZER_VOCAB,
         prefetch: int = 8,
         epochs: int = 1,
         long_documents: str = "truncate",
@@ -83,7 +85,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     # -- data location -----------------------------------------------------------------
     def _corpus_files(self, build: bool) -> tuple[str, str]:
-        from nanogpt_pl.data.corpus import build_corpus
+        from nanogpt_pl.data.corpus import build_corpus  # the corpus builder loads only for the embedded corpus
 
         info = build_corpus(progress=build)
         return info.train_pattern, info.val_pattern
@@ -127,11 +129,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     def stop_step(self) -> int:
         """The stream's last step + 1: the schedule's end, or ``trainer.max_steps`` if smaller."""
-        stop = self.schedule.total_steps
-        trainer = self.trainer
-        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
-            stop = min(stop, trainer.max_steps)
-        return stop
+        return self.schedule.run_steps(None if self.trainer is None else self.trainer.max_steps)
 
     def train_dataloader(self) -> TrainStream:
         """The training stream (an iterable without ``__len__``, resumable via ``state_dict``)."""
@@ -194,7 +192,7 @@ class SpeedrunDataModule(L.LightningDataModule):
             )
         probe = self._probe
         plan = probe.walker.plan(step, probe.cursor_at(step))
-        probe._remember(step + 1, plan.next_cursor)
+        probe.remember(step + 1, plan.next_cursor)
         return probe.micro_batches(plan)
 
     @property

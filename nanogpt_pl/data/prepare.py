@@ -2,8 +2,12 @@
 
 Inputs (files, directories searched recursively, or globs), read in sorted order:
 
-- ``.txt`` (or ``.txt.gz``): the whole file is one document, unless ``txt_separator``
-  is given, in which case the file is split on that string (e.g. ``"\\n\\n\\n"``).
+- ``.txt`` (or ``.txt.gz``): cut into documents at blank lines (paragraph breaks): a
+  document closes at the first blank line once it holds ``txt_document_chars``
+  characters (default 4,000, about 1,000 tokens), so a document is whole paragraphs; the
+  blank lines at a cut are dropped. A file without blank lines is cut at line ends
+  instead; a file shorter than that is one document. ``txt_document_chars=0`` keeps each
+  file whole; ``txt_separator`` splits on that string instead (e.g. ``"\\n\\n\\n"``).
 - ``.jsonl`` (or ``.jsonl.gz``): one JSON object per line; the document is its
   ``text_field`` (default ``text``).
 - ``.parquet`` (needs pyarrow): the ``text_field`` column, one document per row.
@@ -11,19 +15,22 @@ Inputs (files, directories searched recursively, or globs), read in sorted order
 Each document is encoded with GPT-2's tokenizer (tiktoken ``r50k_base``, special
 tokens treated as plain text) and prefixed by ``<|endoftext|>`` (50256), the BOS the
 training loader aligns to; empty documents are skipped. Documents are assigned to
-validation or training, then packed back to back into shards of ``shard_tokens``
-tokens (a document may continue in the next shard, as in the FineWeb cache), named
-like FineWeb's: ``<name>_val_000000.bin``, ``<name>_train_000001.bin``, ...
+validation or training (by default document 0 and every 100th after it are
+validation), then packed back to back into shards of ``shard_tokens`` tokens (a
+document may continue in the next shard, as in the FineWeb cache), named like
+FineWeb's: ``<name>_val_000000.bin``, ``<name>_train_000001.bin``, ...
+
+The shards are written into a hidden folder inside the output directory and moved into
+place only when all of them are written and both splits hold documents, so a failed or
+interrupted run leaves no shard behind.
 """
 
 from __future__ import annotations
 
-import glob
-import gzip
-import io
-import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -31,6 +38,15 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from nanogpt_pl.data.documents import (
+    DEFAULT_TXT_DOCUMENT_CHARS,
+    SUFFIXES,
+    find_inputs,
+    iter_documents,
+    open_text,
+    split_text,
+    suffix_of,
+)
 from nanogpt_pl.data.shards import write_shard
 from nanogpt_pl.data.tokenizer import EOT_TOKEN, get_encoding
 
@@ -38,7 +54,6 @@ from nanogpt_pl.data.tokenizer import EOT_TOKEN, get_encoding
 DEFAULT_SHARD_TOKENS = 100_000_000
 # RECORD.md §1: the FineWeb cache keeps 100M of its ~10B tokens (1%) for validation.
 DEFAULT_VAL_FRACTION = 0.01
-SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 # documents handed to a worker at a time, and the text size that closes a batch early
 BATCH_DOCUMENTS = 512
 BATCH_CHARS = 4_000_000
@@ -56,9 +71,11 @@ class PrepareResult:
     val_tokens: int = 0
     train_tokens: int = 0
     skipped_empty: int = 0
+    document_rule: str = ""
 
     def summary(self) -> str:
-        lines = [
+        lines = [self.document_rule] if self.document_rule else []
+        lines += [
             f"validation: {self.val_documents:,} documents, {self.val_tokens:,} tokens "
             f"in {len(self.val_paths)} shard(s)",
             f"training:   {self.train_documents:,} documents, {self.train_tokens:,} tokens "
@@ -69,94 +86,6 @@ class PrepareResult:
         for p in self.val_paths + self.train_paths:
             lines.append(f"  {p}")
         return "\n".join(lines)
-
-
-def _suffix(path: Path) -> Optional[str]:
-    name = path.name.lower()
-    return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
-
-
-def find_inputs(inputs: Sequence[str]) -> list[Path]:
-    """Expand files, directories (recursive) and globs into the sorted list of input files."""
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [str(inputs)]
-    found: list[Path] = []
-    for item in inputs:
-        text = os.path.expanduser(str(item))
-        p = Path(text)
-        if p.is_dir():
-            found.extend(q for q in sorted(p.rglob("*")) if q.is_file() and _suffix(q))
-        elif p.is_file():
-            if _suffix(p) is None:
-                raise ValueError(f"input {p}: unsupported file type; use one of {', '.join(SUFFIXES)}")
-            found.append(p)
-        else:
-            matches = sorted(Path(m) for m in glob.glob(text, recursive=True))
-            files = [m for m in matches if m.is_file() and _suffix(m)]
-            if not files:
-                raise FileNotFoundError(
-                    f"input {item!r} matches no {'/'.join(SUFFIXES)} file; give text files, directories or globs"
-                )
-            found.extend(files)
-    seen, unique = set(), []
-    for p in found:
-        if p.resolve() not in seen:
-            seen.add(p.resolve())
-            unique.append(p)
-    return unique
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.lower().endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def iter_documents(paths: Iterable[Path], text_field: str = "text",
-                   txt_separator: Optional[str] = None) -> Iterator[str]:
-    """The documents of the input files, in order (see the module docstring for the formats)."""
-    for path in paths:
-        kind = _suffix(path)
-        if kind in (".txt", ".txt.gz"):
-            with _open_text(path) as f:
-                text = f.read()
-            if txt_separator:
-                yield from text.split(txt_separator)
-            else:
-                yield text
-        elif kind in (".jsonl", ".jsonl.gz"):
-            with _open_text(path) as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                    if not isinstance(obj, dict) or text_field not in obj:
-                        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                        raise ValueError(
-                            f"{path}:{lineno}: no {text_field!r} field (found {keys}); "
-                            "choose the field with --text-field"
-                        )
-                    value = obj[text_field]
-                    if not isinstance(value, str):
-                        raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, not text")
-                    yield value
-        elif kind == ".parquet":
-            try:
-                import pyarrow.parquet as pq
-            except ImportError as e:
-                raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-            pf = pq.ParquetFile(path)
-            names = pf.schema_arrow.names
-            if text_field not in names:
-                raise ValueError(f"{path}: no column {text_field!r} (columns: {names}); choose it with --text-field")
-            for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
-                for value in batch.column(0).to_pylist():
-                    yield "" if value is None else value
-        else:
-            raise ValueError(f"input {path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,13 +182,31 @@ class ShardWriter:
         self.fill = 0
 
 
-def _is_val(i: int, val_documents: Optional[int], fraction: Optional[Fraction]) -> bool:
+def _is_val(i: int, val_documents: Optional[int], fraction: Optional[Fraction], from_first: bool = False) -> bool:
     if val_documents is not None:
         return i < val_documents
     if fraction is None or fraction == 0:
         return False
     # an even, streaming spread: document i is validation when (i+1)·f crosses an integer
+    if from_first:  # ... counted from document 0 (ceil), so any input has a validation document
+        return (fraction * (i + 1)).__ceil__() > (fraction * i).__ceil__()
     return (fraction * (i + 1)).__floor__() > (fraction * i).__floor__()
+
+
+def _txt_rule(paths: Sequence[Path], txt_separator: Optional[str], txt_document_chars: int,
+              cut_at_lines: Sequence[Path]) -> str:
+    """The summary line saying how .txt inputs became documents (empty without .txt inputs)."""
+    if not any(suffix_of(p) in (".txt", ".txt.gz") for p in paths):
+        return ""
+    if txt_separator:
+        return f".txt files: split into documents on --txt-separator {txt_separator!r}"
+    if txt_document_chars <= 0:
+        return ".txt files: one document per file (--txt-document-chars 0)"
+    rule = (f".txt files: cut at blank lines into documents of at least {txt_document_chars:,} characters "
+            f"(--txt-document-chars)")
+    if cut_at_lines:
+        rule += f"; {len(cut_at_lines)} file(s) without blank lines cut at line ends (e.g. {cut_at_lines[0]})"
+    return rule
 
 
 def prepare(
@@ -271,6 +218,7 @@ def prepare(
     val_fraction: Optional[float] = None,
     text_field: str = "text",
     txt_separator: Optional[str] = None,
+    txt_document_chars: int = DEFAULT_TXT_DOCUMENT_CHARS,
     workers: int = DEFAULT_WORKERS,
     overwrite: bool = False,
     progress: bool = True,
@@ -284,10 +232,13 @@ def prepare(
         shard_tokens: tokens per shard (the last shard of each split holds the rest).
         val_documents: the first N documents form the validation split.
         val_fraction: instead, this fraction of the documents, spread evenly (document i is
-            validation when ``floor((i+1)·f) > floor(i·f)``). Default when neither is given: 0.01.
+            validation when ``floor((i+1)·f) > floor(i·f)``). Default when neither is given:
+            document 0 and every 100th after it (1%, and never an empty validation split).
         text_field: the JSON field / parquet column holding the text.
-        txt_separator: split ``.txt`` files into documents on this string (default: one
-            document per file).
+        txt_separator: split ``.txt`` files into documents on this string.
+        txt_document_chars: without ``txt_separator``, cut ``.txt`` files at blank lines into
+            documents of at least this many characters (see :func:`split_text`); 0 keeps each
+            file one document.
         workers: tokenizer processes (1 tokenizes in this process).
         overwrite: replace existing ``<name>_train_*``/``<name>_val_*`` shards in ``output_dir``.
         progress: show a progress bar.
@@ -301,7 +252,10 @@ def prepare(
         raise ValueError("give either --val-documents or --val-fraction, not both")
     if val_documents is not None and val_documents < 0:
         raise ValueError(f"--val-documents must be >= 0, got {val_documents}")
-    if val_documents is None and val_fraction is None:
+    if txt_document_chars < 0:
+        raise ValueError(f"--txt-document-chars must be >= 0 (0 keeps each .txt file whole), got {txt_document_chars}")
+    from_first = val_documents is None and val_fraction is None
+    if from_first:
         val_fraction = DEFAULT_VAL_FRACTION
     if val_fraction is not None and not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
@@ -313,29 +267,30 @@ def prepare(
     out = Path(output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob(f"{name}_train_*.bin")) + sorted(out.glob(f"{name}_val_*.bin"))
-    if existing:
-        if not overwrite:
-            raise FileExistsError(
-                f"{out} already holds {len(existing)} shard(s) named {name}_train_*/{name}_val_* "
-                f"(e.g. {existing[0].name}); pass --overwrite to replace them or choose another --name"
-            )
-        for p in existing:
-            p.unlink()
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds {len(existing)} shard(s) named {name}_train_*/{name}_val_* "
+            f"(e.g. {existing[0].name}); pass --overwrite to replace them or choose another --name"
+        )
 
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm only while preparing
 
-    val = ShardWriter(out, name, "val", 0, shard_tokens)
-    train = ShardWriter(out, name, "train", 1, shard_tokens)
+    # shards go to a hidden folder first and move into place only once the whole set is good
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-prepare-", dir=out))
+    val = ShardWriter(staging, name, "val", 0, shard_tokens)
+    train = ShardWriter(staging, name, "train", 1, shard_tokens)
     result = PrepareResult()
     counter = {"empty": 0}
+    cut_at_lines: list[Path] = []
     doc_index = total_tokens = 0
     bar = tqdm(desc=f"tokenizing into {out}", unit="doc", disable=not progress, dynamic_ncols=True)
     try:
-        for tokens, lengths in tokenize_documents(iter_documents(paths, text_field, txt_separator), workers, counter):
+        docs = iter_documents(paths, text_field, txt_separator, txt_document_chars, cut_at_lines)
+        for tokens, lengths in tokenize_documents(docs, workers, counter):
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             for j in range(lengths.size):
                 piece = tokens[offsets[j] : offsets[j + 1]]
-                if _is_val(doc_index, val_documents, fraction):
+                if _is_val(doc_index, val_documents, fraction, from_first):
                     val.add(piece)
                     result.val_documents += 1
                 else:
@@ -347,23 +302,62 @@ def prepare(
             bar.set_postfix(tokens=f"{total_tokens:,}", refresh=False)
         val.flush()
         train.flush()
-    except BaseException:
-        for p in val.paths + train.paths:  # leave no partial set of shards behind
-            p.unlink(missing_ok=True)
-        raise
+        bar.close()
+        rule = _txt_rule(paths, txt_separator, txt_document_chars, cut_at_lines)
+        _check_splits(result, doc_index, paths, val_documents, val_fraction, txt_separator, txt_document_chars)
+        for p in existing:
+            p.unlink()
+        for p in val.paths + train.paths:
+            os.replace(p, out / p.name)
+        result.val_paths = [out / p.name for p in val.paths]
+        result.train_paths = [out / p.name for p in train.paths]
     finally:
         bar.close()
-    result.val_paths, result.train_paths = val.paths, train.paths
+        shutil.rmtree(staging, ignore_errors=True)
     result.val_tokens, result.train_tokens = val.tokens, train.tokens
     result.skipped_empty = counter["empty"]
-    if result.train_documents == 0:
-        raise ValueError(
-            f"no training documents: {result.val_documents} document(s) all went to validation; "
-            f"lower --val-documents/--val-fraction or add text"
-        )
-    if (val_documents or fraction) and result.val_documents == 0:
-        raise ValueError(
-            f"the validation split is empty: {doc_index} document(s) at --val-fraction {val_fraction}; "
-            f"use --val-documents N"
-        )
+    result.document_rule = rule
     return result
+
+
+def _check_splits(result: PrepareResult, n_docs: int, paths: Sequence[Path], val_documents: Optional[int],
+                  val_fraction: Optional[float], txt_separator: Optional[str], txt_document_chars: int) -> None:
+    """Raise a one-line error naming the option to change when a split came out empty."""
+    inputs = f"{paths[0]}" + (f" and {len(paths) - 1} more file(s)" if len(paths) > 1 else "")
+    if n_docs == 0:
+        raise ValueError(f"{inputs}: no documents (every one was empty); give files that hold text")
+    if result.train_documents == 0:
+        if val_documents is not None and n_docs > 1:
+            fix = f"lower --val-documents below {n_docs}"
+        elif any(suffix_of(p) in (".txt", ".txt.gz") for p in paths) and not txt_separator:
+            smaller = _fewer_chars_per_document(paths, txt_document_chars)
+            fix = (f"cut the text into more documents with --txt-document-chars {smaller} (now {txt_document_chars})"
+                   if smaller else "the text has no blank line or line end to cut at; add text")
+        else:
+            fix = "add documents"
+        raise ValueError(
+            f"no training documents: {inputs} gave {n_docs} document(s) and all went to validation; {fix}"
+        )
+    if val_fraction and result.val_documents == 0:
+        raise ValueError(
+            f"the validation split is empty: {n_docs} document(s) at --val-fraction {val_fraction}; "
+            f"use --val-documents N (N < {n_docs}) or a --val-fraction of at least {1 / n_docs:.3g}"
+        )
+
+
+def _fewer_chars_per_document(paths: Sequence[Path], txt_document_chars: int) -> Optional[int]:
+    """The largest halving of ``txt_document_chars`` that cuts the .txt inputs into two or more documents.
+
+    Only called when all the inputs gave one document, so re-reading them is cheap.
+    """
+    texts = []
+    for p in paths:
+        if suffix_of(p) in (".txt", ".txt.gz"):
+            with open_text(p) as f:
+                texts.append(f.read())
+    chars = txt_document_chars if txt_document_chars > 0 else 2 * DEFAULT_TXT_DOCUMENT_CHARS
+    while chars > 1:
+        chars //= 2
+        if sum(1 for t in texts for d in split_text(t, chars)[0] if d.strip()) >= 2:
+            return chars
+    return None

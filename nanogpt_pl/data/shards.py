@@ -24,6 +24,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_TOKEN_ID = int(np.iinfo(np.uint16).max)
+SHARD_FILE_MODE = 0o644
 
 MAKE_DATA_HINT = (
     "make data with `nanogpt-pl data fineweb` (the FineWeb cache), `nanogpt-pl data prepare` "
@@ -38,7 +39,7 @@ class ShardError(ValueError):
 
 
 def write_shard(path: PathLike, tokens: np.ndarray | Sequence[int]) -> Path:
-    """Write ``tokens`` as a shard, atomically (a temporary file renamed into place).
+    """Write ``tokens`` as a shard, atomically (a temporary file in the same folder renamed into place), mode 0644.
 
     Args:
         path: destination file; its directory is created if needed.
@@ -74,6 +75,8 @@ def write_shard(path: PathLike, tokens: np.ndarray | Sequence[int]) -> Path:
             f.write(arr.tobytes())
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600; shards are data others on the machine read (a shared cache)
+        os.chmod(tmp, SHARD_FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,10 +1,13 @@
-"""GPT-2's tokenizer (tiktoken ``r50k_base``) with an offline cache.
+"""GPT-2's tokenizer (tiktoken ``r50k_base``) with an offline cache, and the prefix table.
 
 tiktoken downloads the BPE ranks file from ``openaipublic.blob.core.windows.net``
 the first time it is used and stores it in ``TIKTOKEN_CACHE_DIR`` under the SHA-1
 of that URL. Machines without that host (clusters, CI) can seed the cache from the
 identical file that ships inside the ``openai-whisper`` source distribution on
 PyPI (``whisper/assets/gpt2.tiktoken``): ``nanogpt-pl data tokenizer`` does that.
+
+:func:`build_prefix_table` maps every token to the token of its longest proper byte-prefix,
+the target of the prefix-token loss (RECORD §2).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import torch
+
 ENCODING_NAME = "r50k_base"
 RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # sha256 of the r50k_base ranks file; tiktoken checks the same value.
@@ -27,7 +33,10 @@ WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator / BOS of every document
-VOCAB_SIZE = 50257  # ids the tokenizer can produce; the model pads to 50,304
+TOKENIZER_VOCAB = 50257  # ids the GPT-2 tokenizer can produce (token files hold ids below it)
+# RECORD §2: the model's rows (embeddings, lm_head, candidate sweep) are the tokenizer's ids padded
+# to a multiple of 128; ids 50,257..50,303 never occur in data.
+PADDED_VOCAB = 50304
 
 
 def cache_dir() -> Path:
@@ -119,7 +128,7 @@ def seed_cache(source: str | os.PathLike | None = None) -> Path:
 def get_encoding():
     """tiktoken's ``r50k_base`` encoding, read from the offline cache when seeded."""
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(cache_dir()))
-    import tiktoken
+    import tiktoken  # after TIKTOKEN_CACHE_DIR is set; loads only to tokenize
 
     try:
         return tiktoken.get_encoding(ENCODING_NAME)
@@ -128,3 +137,53 @@ def get_encoding():
             f"could not load the {ENCODING_NAME} tokenizer ({type(e).__name__}: {e}). "
             f"Offline machines: run `nanogpt-pl data tokenizer` once to seed {cache_file()}."
         ) from e
+
+
+def mergeable_ranks(encoding) -> dict[bytes, int]:
+    """The bytes → token id map of an encoding's ordinary (non-special) tokens.
+
+    The one place that reads tiktoken's private ``Encoding._mergeable_ranks``: the public
+    API has no bulk form of it (``decode_single_token_bytes`` one id at a time is ~50k calls).
+    ``tests/test_tokenizer.py`` checks its shape on the real ``r50k_base`` encoding.
+
+    Raises:
+        RuntimeError: the attribute is missing or is no longer a non-empty ``{bytes: int}`` dict.
+    """
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    if not (isinstance(ranks, dict) and ranks
+            and all(isinstance(b, bytes) and isinstance(i, int) for b, i in ranks.items())):
+        import tiktoken
+
+        raise RuntimeError(
+            f"tiktoken {getattr(tiktoken, '__version__', '?')}: Encoding._mergeable_ranks is missing or no "
+            f"longer a {{bytes: int}} dict (got {type(ranks).__name__}); the prefix table reads it in "
+            f"nanogpt_pl/data/tokenizer.py mergeable_ranks: adapt that function, or install a tiktoken "
+            f"that has it (tests/test_tokenizer.py checks the installed one)")
+    return ranks
+
+
+def build_prefix_table(vocab_size: int, encoding=None) -> torch.Tensor:
+    """For every token id, the token whose bytes are its longest proper byte-prefix, else -1.
+
+    The prefix-token auxiliary loss (RECORD §2) predicts ``table[target]``. Single-byte
+    tokens, special tokens (50256) and the padded ids up to ``vocab_size`` map to -1.
+
+    Args:
+        vocab_size: length of the table: the model's (padded) vocabulary, its lm_head rows.
+        encoding: a tiktoken ``Encoding``; default GPT-2's (:func:`get_encoding`).
+
+    Returns:
+        CPU int64 tensor ``[vocab_size]``.
+    """
+    by_bytes = mergeable_ranks(encoding if encoding is not None else get_encoding())
+    if max(by_bytes.values()) >= vocab_size:
+        raise ValueError(f"build_prefix_table: the encoding has token id {max(by_bytes.values())} >= "
+                         f"vocab_size {vocab_size}")
+    table = np.full(vocab_size, -1, dtype=np.int64)
+    for b, i in by_bytes.items():
+        for cut in range(len(b) - 1, 0, -1):
+            j = by_bytes.get(b[:cut])
+            if j is not None:
+                table[i] = j
+                break
+    return torch.from_numpy(table)

@@ -41,24 +41,24 @@ class SpeedrunStrategy(DDPStrategy):
         return None
 
     # -- per-rank side files for rank-local state (the n-gram table shard) ---------------
-    # Each rank writes its own ``<ckpt>.ngram-rank<r>.pt`` (nanogpt_pl.distributed.ngram_shard),
+    # Each rank writes its own ``<ckpt>.ngram-rank<r>.pt`` (nanogpt_pl.distributed.side_files),
     # so a record-size shard (15 GiB per rank) never travels to rank 0; the main file, written
     # by rank 0 as usual, keeps only a marker with the world size.
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
-        from .ngram_shard import save_rank_local
+        from .side_files import save_rank_local
 
         checkpoint = save_rank_local(checkpoint, filepath, self.global_rank, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        from .ngram_shard import load_rank_local
+        from .side_files import load_rank_local
 
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         return load_rank_local(checkpoint, checkpoint_path, self.global_rank, self.world_size)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        from .ngram_shard import remove_rank_local
+        from .side_files import remove_rank_local
 
         super().remove_checkpoint(filepath)
         remove_rank_local(filepath, self.global_rank)

@@ -127,8 +127,9 @@ def ngram_row_ids(input_ids: Tensor, ngram_rows: int) -> Tensor:
     tri = h + torch.remainder(
         _mul32(TRIGRAM_MUL_CUR, x) ^ _mul32(TRIGRAM_MUL_PREV, x1) ^ _mul32(TRIGRAM_MUL_PREV2, x2), m
     )
-    big[:1] = m
-    tri[:2] = ngram_rows - 1
+    # fill_ with a Python number: item assignment would copy a host scalar to the device each call
+    big[:1].fill_(m)
+    tri[:2].fill_(ngram_rows - 1)
     return torch.stack([big, tri])
 
 
@@ -144,8 +145,8 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
     big = (_mul32(SIGN_BIGRAM_MUL_PREV, x1) ^ _mul32(SIGN_BIGRAM_MUL_CUR, x)) & mask
     tri = (_mul32(SIGN_TRIGRAM_MUL_PREV2, x2) ^ _mul32(SIGN_TRIGRAM_MUL_PREV, x1)
            ^ _mul32(SIGN_TRIGRAM_MUL_CUR, x)) & mask
-    big[:1] = 0
-    tri[:2] = 0
+    big[:1].fill_(0)
+    tri[:2].fill_(0)
     return torch.stack([big, tri])
 
 

@@ -1,9 +1,9 @@
-"""The lm_head and its loss: softcapped cross-entropy, full or sampled, fused or plain.
+"""The lm_head loss: softcapped cross-entropy, full or sampled, fused or plain.
 
-The vocabulary projection is about a third of the model's flops. The record (RECORD §6)
-trains most steps with a *sampled* softmax: one candidate set ``C`` of ``P`` classes per
-micro-batch (every target plus duplicate-free negatives), logits are computed only for the
-rows of the lm_head weight in ``C`` (forward and backward), and a fused kernel computes the
+The record (RECORD §6) trains most steps with a *sampled* softmax: one candidate set ``C``
+of ``P`` classes per micro-batch (every target plus duplicate-free negatives, built by
+:class:`nanogpt_pl.ops.sampling.CandidateSampler`), logits are computed only for the rows
+of the lm_head weight in ``C`` (forward and backward), and a fused kernel computes the
 softcap, the log-sum-exp, the loss and the logit gradient in one pass. Validation always
 uses the full 50,304-way softmax.
 
@@ -16,37 +16,31 @@ Pieces, each with a plain PyTorch reference next to the fast path:
   ``"triton"`` (the fused algorithm with the Triton row kernel).
 - :func:`softcap_ce_rows_reference` — the PyTorch twin of the Triton row kernel.
 - :func:`full_cross_entropy` — validation loss, full vocabulary, row-chunked.
-- :class:`CandidateSampler` — the candidate set of one micro-batch.
-- :func:`build_prefix_table` — the longest proper byte-prefix token of every token.
-- :class:`HeadMatmul` / :class:`TorchHeadMatmul` — how the logit and gradient GEMMs run;
-  the FP8 lm_head (RECORD §7) plugs in here.
+
+The fused path's chunked GEMMs, and the :class:`~nanogpt_pl.ops.lm_head.HeadMatmul` hook
+the FP8 lm_head (RECORD §7) plugs into, are in :mod:`nanogpt_pl.ops.lm_head`.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .lm_head import FusedLinearLoss, HeadMatmul, TorchHeadMatmul, default_chunk_rows
+from .triton import interpret_mode
 
 __all__ = [
     "SOFTCAP_MAX",
     "SOFTCAP_SHIFT",
     "SOFTCAP_WIDTH",
-    "VOCAB_SIZE",
-    "CANDIDATE_MULTIPLE",
+    "BACKENDS",
+    "check_backend",
     "softcap",
-    "HeadMatmul",
-    "TorchHeadMatmul",
     "softcap_ce_rows_reference",
     "lm_head_loss",
     "full_cross_entropy",
-    "default_chunk_rows",
-    "CandidateSampler",
-    "build_prefix_table",
 ]
 
 # RECORD §2 "Head and loss": z = 23·σ((ℓ + 5)/7.5). SOFTCAP_MAX is also the fixed maximum
@@ -55,28 +49,10 @@ SOFTCAP_MAX = 23.0
 SOFTCAP_SHIFT = 5.0
 SOFTCAP_WIDTH = 7.5
 
-# RECORD §2: the tokenizer's 50,257 ids padded to 50,304 rows of the lm_head.
-VOCAB_SIZE = 50304
-# RECORD §6: P must be a multiple of 2048 (the record's CE kernel: block 256 × vector 8).
-CANDIDATE_MULTIPLE = 2048
-# RECORD §6: negatives come from perm[k] = 20011·k mod V (20011 is coprime to 50,304); each
-# call draws a window of min(V, ⌊1.7·need⌋ + 256) entries of it.
-SAMPLER_STRIDE = 20011
-SAMPLER_DRAW_FACTOR = 1.7
-SAMPLER_DRAW_EXTRA = 256
-
-# Logits held at once by the fused path: ~8192 rows of the full vocabulary (0.82 GB in
-# bf16). On an H200 a 8192 × 768 × 50,304 GEMM already fills all 132 SMs many times over,
-# so larger chunks buy no GEMM efficiency, only memory; smaller ones add launches and
-# re-read the weight once more per chunk. The chunk count is rounded up, then rows are
-# spread evenly (49,152 rows: 6 chunks of 8,192 at P = 50,304, 2 of 24,576 at P = 10,240).
-GPU_CHUNK_ELEMENTS = 8192 * VOCAB_SIZE
-# On the CPU (reference-like sizes, fp32): 64 Mi logits = 256 MiB per chunk.
-CPU_CHUNK_ELEMENTS = 1 << 26
-# Chunk rows are rounded to this multiple so GEMM row tiles stay whole.
-CHUNK_ROW_MULTIPLE = 128
-
+# The choices of `model.backends.loss`; "reference" is the plain-PyTorch path.
 BACKENDS = ("auto", "reference", "chunked", "triton")
+
+_DEFAULT_HEAD = TorchHeadMatmul()
 
 
 def softcap(logits: torch.Tensor) -> torch.Tensor:
@@ -85,127 +61,6 @@ def softcap(logits: torch.Tensor) -> torch.Tensor:
     Maps every logit into ``(0, 23)``; equal to ``11.5·(1 + tanh((ℓ + 5)/15))``.
     """
     return SOFTCAP_MAX * torch.sigmoid((logits + SOFTCAP_SHIFT) * (1.0 / SOFTCAP_WIDTH))
-
-
-# ---------------------------------------------------------------------------------------
-# How the head's GEMMs run
-# ---------------------------------------------------------------------------------------
-
-
-@runtime_checkable
-class HeadMatmul(Protocol):
-    """How the lm_head GEMMs of the fused loss run, chunk by chunk.
-
-    The fused loss calls, for one training step: ``prepare`` once, then for each chunk of
-    rows ``x`` (``[R, D]``): ``logits`` → the row kernel (which writes ``dL/dℓ`` into
-    ``grad_buffer(logits)``) → ``grad_input`` and ``grad_weight``. An FP8 implementation
-    (RECORD §7 lm_head) returns e4m3 logits saturating at ±448 with their dequantization
-    factor, hands out an e5m2 gradient buffer with its storage divisor, and runs the two
-    gradient GEMMs with ``torch._scaled_mm``.
-    """
-
-    def prepare(self, weight: torch.Tensor, candidates: Optional[torch.Tensor],
-                dtype: torch.dtype) -> Any:
-        """The weight rows the GEMMs use (all of ``weight`` [V, D], or the rows listed in
-        ``candidates``), in whatever form the head needs; ``dtype`` is the compute dtype."""
-        ...
-
-    def logits(self, x: torch.Tensor, w: Any) -> tuple[torch.Tensor, float]:
-        """``[R, P]`` logits of ``x`` against ``w`` (rows contiguous) and the factor that turns
-        the stored values into logits: bf16/fp16/fp32 with 1.0, or float8_e4m3fn with a scale."""
-        ...
-
-    def grad_buffer(self, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Where the row kernel writes ``dL/dℓ`` (``[R, P]``: bf16/fp16/fp32, or float8_e5m2 /
-        e4m3fn, saturated) and the divisor it is stored at (true gradient = stored × divisor).
-        Returning ``logits`` itself makes the kernel write in place."""
-        ...
-
-    def grad_input(self, grad: torch.Tensor, grad_div: float, w: Any, out: torch.Tensor) -> None:
-        """``out[R, D] = (grad · grad_div) @ W_C``."""
-        ...
-
-    def grad_weight(self, grad: torch.Tensor, grad_div: float, x: torch.Tensor,
-                    acc: Optional[torch.Tensor]) -> torch.Tensor:
-        """``acc + (grad · grad_div)ᵀ @ x`` as fp32 ``[P, D]`` (``acc`` is None on the first
-        chunk; it may be updated in place and returned)."""
-        ...
-
-
-_FP32_OUT_MM_OK: dict[torch.device, bool] = {}
-
-
-def _fp32_out_mm_supported(device: torch.device) -> bool:
-    """Whether ``torch.mm/addmm(..., out_dtype=torch.float32)`` works (and is right) here.
-
-    It lets a bf16 GEMM accumulate straight into the fp32 weight-gradient buffer. It exists
-    on CUDA from torch 2.8 on; probed once per device and checked against an fp32 product.
-    """
-    if device.type != "cuda":
-        return False
-    ok = _FP32_OUT_MM_OK.get(device)
-    if ok is None:
-        try:
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(96, 64, device=device, generator=gen).to(torch.bfloat16)
-            b = torch.randn(64, 80, device=device, generator=gen).to(torch.bfloat16)
-            acc = torch.randn(96, 80, device=device, generator=gen)
-            want = a.float() @ b.float()
-            got_mm = torch.mm(a, b, out_dtype=torch.float32)
-            got_addmm = torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=0.5)
-            ok = bool(got_mm.dtype == torch.float32 and got_addmm.dtype == torch.float32
-                      and torch.allclose(got_mm, want, rtol=1e-4, atol=1e-3)
-                      and torch.allclose(got_addmm, acc + 0.5 * want, rtol=1e-4, atol=1e-3))
-        except (TypeError, RuntimeError, NotImplementedError):
-            ok = False
-        _FP32_OUT_MM_OK[device] = ok
-    return ok
-
-
-class TorchHeadMatmul:
-    """The default head: ordinary ``torch.mm`` in the compute dtype (bf16 on GPU, fp32 on CPU).
-
-    The gradient is written in place over the logits; the weight gradient is accumulated in
-    fp32 across chunks.
-    """
-
-    def prepare(self, weight: torch.Tensor, candidates: Optional[torch.Tensor],
-                dtype: torch.dtype) -> torch.Tensor:
-        w = weight if candidates is None else weight.index_select(0, candidates)
-        return w.to(dtype)
-
-    def logits(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return torch.mm(x, w.t()), 1.0
-
-    def grad_buffer(self, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return logits, 1.0
-
-    def grad_input(self, grad: torch.Tensor, grad_div: float, w: torch.Tensor,
-                   out: torch.Tensor) -> None:
-        torch.mm(grad, w, out=out)
-        if grad_div != 1.0:
-            out.mul_(grad_div)
-
-    def grad_weight(self, grad: torch.Tensor, grad_div: float, x: torch.Tensor,
-                    acc: Optional[torch.Tensor]) -> torch.Tensor:
-        gt = grad.t()
-        if grad.dtype == torch.float32:
-            if acc is None:
-                return torch.mm(gt, x).mul_(grad_div)
-            return acc.addmm_(gt, x, alpha=grad_div)
-        if _fp32_out_mm_supported(grad.device):
-            if acc is None:
-                out = torch.mm(gt, x, out_dtype=torch.float32)
-                return out.mul_(grad_div) if grad_div != 1.0 else out
-            return torch.addmm(acc, gt, x, out_dtype=torch.float32, alpha=grad_div)
-        # Fallback: one bf16 rounding of each chunk's product before the fp32 sum.
-        part = torch.mm(gt, x).float()
-        if acc is None:
-            return part.mul_(grad_div) if grad_div != 1.0 else part
-        return acc.add_(part, alpha=grad_div)
-
-
-_DEFAULT_HEAD = TorchHeadMatmul()
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,65 +208,8 @@ def _check_bad(bad: torch.Tensor, loss: torch.Tensor, sampled: bool, n_classes: 
 
 
 # ---------------------------------------------------------------------------------------
-# The fused linear + softcapped cross-entropy
+# The loss: fused (chunked GEMMs, nanogpt_pl.ops.lm_head) and reference
 # ---------------------------------------------------------------------------------------
-
-
-def default_chunk_rows(n_rows: int, n_cols: int, device: torch.device | str = "cuda") -> int:
-    """Rows per chunk of the fused path: about ``GPU_CHUNK_ELEMENTS`` logits (CPU: fewer)
-    at once, spread evenly over the chunks and rounded up to ``CHUNK_ROW_MULTIPLE``."""
-    budget = GPU_CHUNK_ELEMENTS if torch.device(device).type != "cpu" else CPU_CHUNK_ELEMENTS
-    n_chunks = max(1, math.ceil(n_rows * max(n_cols, 1) / budget))
-    rows = math.ceil(n_rows / n_chunks)
-    rows = math.ceil(rows / CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
-    return max(1, min(rows, n_rows))
-
-
-class _FusedLinearSoftcapCE(torch.autograd.Function):
-    """Fused linear cross-entropy: the gradients are formed in the forward, chunk by chunk,
-    so no ``[N, P]`` logit tensor ever exists; backward only scales them by grad_output."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, candidates, tpos, tw, head, rows_fn, chunk_rows,
-                compute_dtype, need_dx, need_dw):
-        n, d = hidden.shape
-        w = head.prepare(weight, candidates, compute_dtype)
-        x_all = hidden.to(compute_dtype)
-        write = need_dx or need_dw
-        loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        dx = torch.empty(n, d, dtype=compute_dtype, device=hidden.device) if need_dx else None
-        dw = None
-        for r0 in range(0, n, chunk_rows):
-            r1 = min(n, r0 + chunk_rows)
-            x = x_all[r0:r1]
-            logits, logit_scale = head.logits(x, w)
-            grad, grad_div = head.grad_buffer(logits) if write else (None, 1.0)
-            rows_fn(logits, logit_scale, grad, 1.0 / (n * grad_div), tpos[r0:r1], tw, loss_rows[r0:r1])
-            if need_dx:
-                head.grad_input(grad, grad_div, w, dx[r0:r1])
-            if need_dw:
-                dw = head.grad_weight(grad, grad_div, x, dw)
-            del logits, grad
-        ctx.save_for_backward(dx, dw, candidates)
-        ctx.hidden_dtype = hidden.dtype
-        ctx.weight_meta = (weight.shape, weight.dtype)
-        return loss_rows.sum() / n
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        dx, dw, candidates = ctx.saved_tensors
-        g_hidden = g_weight = None
-        if dx is not None:
-            g_hidden = (dx * grad_out).to(ctx.hidden_dtype)
-        if dw is not None:
-            shape, dtype = ctx.weight_meta
-            dw = (dw * grad_out).to(dtype)
-            if candidates is None:
-                g_weight = dw
-            else:
-                # Dense [V, D] with zeros off the candidate rows, so any optimizer takes it.
-                g_weight = torch.zeros(shape, dtype=dtype, device=dw.device).index_copy_(0, candidates, dw)
-        return g_hidden, g_weight, None, None, None, None, None, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -435,8 +233,8 @@ def _fused_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets
     # Under autocast the GEMMs run in its dtype; inside, autocast is off so nothing else recasts.
     compute_dtype = _compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
-        loss = _FusedLinearSoftcapCE.apply(hidden, weight, candidates, tpos, tw, head, rows_fn,
-                                           rows, compute_dtype, need_dx, need_dw)
+        loss = FusedLinearLoss.apply(hidden, weight, candidates, tpos, tw, head, rows_fn,
+                                     rows, compute_dtype, need_dx, need_dw)
     return _check_bad(bad, loss, candidates is not None, n_classes)
 
 
@@ -455,6 +253,13 @@ def _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_tar
             loss = loss + tw[j] * torch.where(live, nll, 0.0).sum()
         loss = loss / hidden.shape[0]
     return _check_bad(bad, loss, candidates is not None, n_classes)
+
+
+def check_backend(backend: str) -> None:
+    """Raise a one-line error naming ``model.backends.loss`` unless ``backend`` is one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.backends.loss (lm_head_loss's "
+                         f"backend) takes one of {', '.join(BACKENDS)}")
 
 
 def lm_head_loss(
@@ -481,17 +286,19 @@ def lm_head_loss(
       *not* masked, as in the record (RECORD §2, §15.6), so near a document end row t also
       predicts the first tokens of the next document.
     - Prefix loss: ``prefix_targets[t]`` (usually ``prefix_table[targets[t]]``, see
-      :func:`build_prefix_table`) = -1 means no term; on the sampled path a prefix target
-      that is not among the candidates has its term skipped (RECORD §6).
+      :func:`nanogpt_pl.data.tokenizer.build_prefix_table`) = -1 means no term; on the
+      sampled path a prefix target that is not among the candidates has its term skipped
+      (RECORD §6).
     - The denominator is N whatever terms were dropped. The gradient is the exact
       gradient of this loss: the softmax weight ``S_w`` of a row counts only its live
       terms (the record's kernel also counts MTP weights past the batch end, RECORD §15.6;
       that touches only the last K−1 rows of a micro-batch).
 
     Sampled softmax (``candidates`` given): sorted, duplicate-free int64 class ids that
-    include every target (:class:`CandidateSampler` builds them). Logits are computed only
-    for those rows of ``weight``, forward and backward; the gradient returned for ``weight``
-    is dense ``[V, D]`` and zero off the candidate rows, so ordinary optimizers work.
+    include every target (:class:`~nanogpt_pl.ops.sampling.CandidateSampler` builds them).
+    Logits are computed only for those rows of ``weight``, forward and backward; the
+    gradient returned for ``weight`` is dense ``[V, D]`` and zero off the candidate rows,
+    so ordinary optimizers work.
 
     No logQ correction (RECORD §6, as the record): the sampled logits are used raw. The
     classes of C are not sampled with equal probability (every target is in C with
@@ -543,8 +350,7 @@ def lm_head_loss(
         mtp_weights = [float(w) for w in mtp_weights.detach().cpu().tolist()]
     if len(mtp_weights) == 0:
         raise ValueError("lm_head_loss: mtp_weights needs at least the next-token weight, e.g. (1.0,)")
-    if backend not in BACKENDS:
-        raise ValueError(f"lm_head_loss: unknown backend {backend!r}; choose one of {BACKENDS}")
+    check_backend(backend)
     if candidates is not None:
         candidates = _to_device(_check_candidates(candidates, n_classes), hidden.device)
     targets = _to_device(targets, hidden.device).long()
@@ -557,7 +363,7 @@ def lm_head_loss(
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
     if backend == "triton":
-        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not hidden.is_cuda and not interpret_mode():
             raise RuntimeError(
                 "lm_head_loss: backend='triton' needs a CUDA device (hidden is on "
                 f"{hidden.device}); use backend='reference' or 'chunked' on the CPU, or set "
@@ -602,7 +408,7 @@ def full_cross_entropy(
 
     As the record: logits and softcap in the hidden dtype (bf16 on GPU), cross-entropy in
     fp32, no MTP or prefix term, never sampled. Rows are processed in chunks (the record
-    used slabs of 32,768 rows; the default here keeps about ``GPU_CHUNK_ELEMENTS`` logits at
+    used slabs of 32,768 rows; the default here keeps about ``lm_head.GPU_CHUNK_ELEMENTS`` logits at
     once) so a 262,144-row validation batch stays within a few GB.
 
     Args:
@@ -626,187 +432,3 @@ def full_cross_entropy(
             z = softcap(hidden[r0:r0 + rows] @ w.t())
             total = total + F.cross_entropy(z.float(), targets[r0:r0 + rows], reduction="sum")
     return total / n
-
-
-# ---------------------------------------------------------------------------------------
-# Candidate set
-# ---------------------------------------------------------------------------------------
-
-
-class CandidateSampler:
-    """Builds the sampled-softmax candidate set of one micro-batch (RECORD §6).
-
-    ``C`` = every class among the targets (and ``extra``), plus duplicate-free negatives
-    from the stride sweep ``perm[k] = stride·k mod V`` to exactly ``num_candidates`` classes,
-    sorted ascending. Each rank starts the sweep at offset ``V·rank/world_size``; every call
-    that needs negatives takes the next window of ``min(V, ⌊1.7·need⌋ + 256)`` entries,
-    advances the offset by that length (wrapping), drops the classes already in ``C``, and
-    if fewer than ``need`` remain fills the gap with evenly spaced free classes. The padded
-    ids (50,257..50,303) are ordinary negatives, as in the record (RECORD §15.6).
-
-    Runs on the host in numpy (about 0.1 ms for 49,152 targets): pass the loader's CPU copy
-    of the targets so no device sync is needed, and move the result to the GPU with the batch.
-
-    Args:
-        vocab_size: number of classes V (the lm_head rows).
-        rank: this process's rank.
-        world_size: number of ranks.
-        stride: the sweep stride, coprime to ``vocab_size``.
-        multiple: ``num_candidates`` must be a multiple of this (RECORD §6: 2048).
-    """
-
-    def __init__(self, vocab_size: int = VOCAB_SIZE, rank: int = 0, world_size: int = 1,
-                 stride: int = SAMPLER_STRIDE, multiple: int = CANDIDATE_MULTIPLE) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"CandidateSampler: rank {rank} is not in [0, world_size={world_size})")
-        if math.gcd(stride, vocab_size) != 1:
-            raise ValueError(f"CandidateSampler: stride {stride} must be coprime to vocab_size "
-                             f"{vocab_size} for a duplicate-free sweep")
-        self.vocab_size = vocab_size
-        self.rank = rank
-        self.world_size = world_size
-        self.stride = stride
-        self.multiple = multiple
-        one = (stride * np.arange(vocab_size, dtype=np.int64)) % vocab_size
-        # Doubled so any window of the sweep is one contiguous slice.
-        self._perm = np.concatenate((one, one))
-        self._mark = np.zeros(vocab_size, dtype=bool)
-        self.offset = (vocab_size * rank) // world_size
-
-    def _check_count(self, num_candidates: int) -> None:
-        if num_candidates == self.vocab_size:
-            return
-        if num_candidates <= 0 or num_candidates % self.multiple or num_candidates > self.vocab_size:
-            raise ValueError(
-                f"sampled-softmax candidate count {num_candidates} must be a positive multiple of "
-                f"{self.multiple} below the vocabulary ({self.vocab_size}), or the full vocabulary; "
-                f"fix schedule.stages[*].candidates (RECORD §6 uses 10240, 14336, 24576, then null)")
-
-    def build(self, targets: Union[torch.Tensor, np.ndarray], num_candidates: int,
-              extra: Union[torch.Tensor, np.ndarray, None] = None) -> torch.Tensor:
-        """The sorted, duplicate-free candidate ids of one micro-batch.
-
-        Args:
-            targets: the micro-batch's targets (any shape; a CPU copy avoids a device sync).
-                MTP targets are the same array shifted, so they are covered.
-            num_candidates: P, a multiple of 2048 (or the full vocabulary).
-            extra: further classes to force in (e.g. prefix targets); negatives are ignored.
-
-        Returns:
-            CPU int64 tensor of exactly ``num_candidates`` ids, ascending, containing every
-            target and every ``extra`` class.
-        """
-        self._check_count(num_candidates)
-        V = self.vocab_size
-        if num_candidates == V:
-            return torch.arange(V, dtype=torch.int64)
-        mark = self._mark
-        mark.fill(False)
-        t = _as_numpy(targets).reshape(-1)
-        if t.size and (t.min() < 0 or t.max() >= V):
-            raise ValueError(f"CandidateSampler: targets must lie in [0, {V}); got "
-                             f"[{t.min()}, {t.max()}]")
-        mark[t] = True
-        if extra is not None:
-            e = _as_numpy(extra).reshape(-1)
-            e = e[(e >= 0) & (e < V)]
-            mark[e] = True
-        unique = int(np.count_nonzero(mark))
-        if unique > num_candidates:
-            raise ValueError(
-                f"sampled softmax: the micro-batch has {unique} distinct targets, more than the "
-                f"{num_candidates} candidates; raise schedule.stages[*].candidates (a multiple of "
-                f"{self.multiple}) or shorten the micro-batch")
-        need = num_candidates - unique
-        if need:
-            draw = min(V, int(need * SAMPLER_DRAW_FACTOR) + SAMPLER_DRAW_EXTRA)
-            window = self._perm[self.offset:self.offset + draw]
-            self.offset = (self.offset + draw) % V
-            window = window[~mark[window]]
-            if window.size >= need:
-                mark[window[:need]] = True
-            else:
-                free = np.flatnonzero(~mark)
-                mark[free[:: max(1, free.size // need)][:need]] = True
-        return torch.from_numpy(np.flatnonzero(mark))
-
-    def state_dict(self) -> dict:
-        """This rank's sweep position (save one per rank for an exact resume)."""
-        return {"offset": int(self.offset), "rank": self.rank, "world_size": self.world_size,
-                "vocab_size": self.vocab_size, "stride": self.stride}
-
-    def load_state_dict(self, state: Union[dict, Sequence[dict]]) -> None:
-        """Restore the sweep position: one rank's ``state_dict()``, or a list of them (one per
-        rank, as gathered for a checkpoint) from which this rank's entry is taken."""
-        if not isinstance(state, dict):
-            states = list(state)
-            if len(states) != self.world_size:
-                raise ValueError(f"CandidateSampler: checkpoint holds {len(states)} ranks' states, "
-                                 f"this run has world_size {self.world_size}")
-            state = states[self.rank]
-        if state.get("vocab_size") != self.vocab_size or state.get("stride") != self.stride:
-            raise ValueError(f"CandidateSampler: checkpoint was built for vocab_size "
-                             f"{state.get('vocab_size')} / stride {state.get('stride')}, this run "
-                             f"uses {self.vocab_size} / {self.stride}")
-        self.offset = int(state["offset"]) % self.vocab_size
-
-
-def _as_numpy(x: Union[torch.Tensor, np.ndarray]) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", torch.int64).numpy()
-    return np.asarray(x, dtype=np.int64)
-
-
-# ---------------------------------------------------------------------------------------
-# Prefix-token table
-# ---------------------------------------------------------------------------------------
-
-
-def _token_bytes(encoding) -> dict[int, bytes]:
-    """Bytes of every ordinary (non-special) token of a tiktoken encoding."""
-    ranks = getattr(encoding, "_mergeable_ranks", None)
-    if isinstance(ranks, dict) and ranks:
-        return {int(i): bytes(b) for b, i in ranks.items()}
-    # tiktoken without the private attribute: decode each id, skipping the special ones.
-    special = {encoding.encode_single_token(name) for name in getattr(encoding, "special_tokens_set", ())}
-    out = {}
-    for i in range(encoding.n_vocab):
-        if i in special:
-            continue
-        try:
-            out[i] = encoding.decode_single_token_bytes(i)
-        except KeyError:
-            continue
-    return out
-
-
-def build_prefix_table(encoding=None, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
-    """For every token id, the token whose bytes are its longest proper byte-prefix, else -1.
-
-    The prefix-token auxiliary loss (RECORD §2) predicts ``table[target]``. Single-byte
-    tokens, special tokens (50256) and the padded ids up to ``vocab_size`` map to -1.
-
-    Args:
-        encoding: a tiktoken ``Encoding``; default GPT-2's (``nanogpt_pl.data.tokenizer``).
-        vocab_size: length of the table (the padded vocabulary).
-
-    Returns:
-        CPU int64 tensor ``[vocab_size]``.
-    """
-    if encoding is None:
-        from nanogpt_pl.data.tokenizer import get_encoding
-
-        encoding = get_encoding()
-    tok_bytes = _token_bytes(encoding)
-    if tok_bytes and max(tok_bytes) >= vocab_size:
-        raise ValueError(f"build_prefix_table: the encoding has token id {max(tok_bytes)} >= "
-                         f"vocab_size {vocab_size}")
-    by_bytes = {b: i for i, b in tok_bytes.items()}
-    table = np.full(vocab_size, -1, dtype=np.int64)
-    for i, b in tok_bytes.items():
-        for cut in range(len(b) - 1, 0, -1):
-            j = by_bytes.get(b[:cut])
-            if j is not None:
-                table[i] = j
-                break
-    return torch.from_numpy(table)

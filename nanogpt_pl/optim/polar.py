@@ -24,11 +24,12 @@ once. Both give the same ``d`` up to bf16 rounding, well inside the envelope's m
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from ..ops.triton import triton_usable
 
 # RECORD.md §8 step 3, "ANVIL_MAPS (final)" [L360@14k]: the (a, b, c) of each quintic map
 # σ → a·σ + b·σ³ + c·σ⁵, applied in this order. The record's code says the schedule was
@@ -50,7 +51,8 @@ ENVELOPE_SIGMA_MIN = 3e-3
 ENVELOPE = (0.99507, 1.00040)
 TAIL_GAIN = 643.13
 
-BACKENDS = ("auto", "torch", "triton")
+# The choices of `model.backends.polar`; "reference" is the plain-PyTorch path.
+BACKENDS = ("auto", "reference", "triton")
 
 
 def composite_map(sigma: Tensor, maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS) -> Tensor:
@@ -82,34 +84,25 @@ def matmul_add_reference(left: Tensor, right: Tensor, x: Tensor, coef_a: float) 
     return torch.baddbmm(x, left, right, beta=coef_a)
 
 
-def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``torch`` or ``triton`` for ``backend`` on ``device``; raises for an impossible choice.
+    """``reference`` or ``triton`` for ``backend`` on ``device``; raises for an impossible choice.
 
     ``auto`` picks PyTorch: on the H200 at the record's shapes the cuBLAS cascade beat the
     Triton kernels for 256x768 and 768x768 banks (0.80 vs 1.24 ms, 0.74 vs 1.46 ms;
     BENCHMARKS.md, benchmarks/optimizer_step.py). ``triton`` selects the kernels explicitly.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
-    if backend in ("torch", "auto"):
-        return "torch"
-    usable = _triton_usable(device)
+        hint = " (the plain-PyTorch path is 'reference')" if backend == "torch" else ""
+        raise ValueError(f"model.backends.polar={backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
+    if backend in ("reference", "auto"):
+        return "reference"
+    usable = triton_usable(device)
     if backend == "triton" and not usable:
         raise RuntimeError(
-            f"backend='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to debug on CPU); "
-            f"the tensors are on {device}: use backend='torch' or 'auto'"
+            f"model.backends.polar='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); the tensors are on {device}: use 'reference' or 'auto'"
         )
-    return "triton" if usable else "torch"
+    return "triton" if usable else "reference"
 
 
 def polar_cascade(
@@ -123,7 +116,7 @@ def polar_cascade(
     Args:
         g: a matrix ``[rows, cols]`` or a batch ``[..., rows, cols]``, any float dtype.
         maps: the (a, b, c) coefficients of each map, in order.
-        backend: ``auto``, ``torch`` or ``triton`` (Triton needs CUDA, or ``TRITON_INTERPRET=1``).
+        backend: ``auto``, ``reference`` or ``triton`` (Triton needs CUDA, or ``TRITON_INTERPRET=1``).
         dtype: working dtype of the cascade: bf16 (the record) or fp32 (the PyTorch backend only;
             used to measure how much of the error is bf16 rounding).
     """
@@ -137,10 +130,10 @@ def polar_cascade(
         raise ValueError(f"polar_cascade dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     if which == "triton" and dtype != torch.bfloat16:
         if backend == "triton":
-            raise ValueError("the Triton cascade runs in bf16 only; use backend='torch' for dtype=float32")
-        which = "torch"
+            raise ValueError("the Triton cascade runs in bf16 only; use backend='reference' for dtype=float32")
+        which = "reference"
     if which == "triton":
-        from ..ops.triton import polar as kernels
+        from ..ops.triton import polar as kernels  # Triton is optional: its kernels load only when chosen
 
         gram_fn, poly_fn, mm_fn = kernels.gram, kernels.poly_square, kernels.matmul_add
     else:

@@ -66,9 +66,13 @@ class LazyRowAdam:
     def __init__(self, num_rows: int, device: Optional[torch.device] = None,
                  dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self.v = torch.zeros(num_rows, dtype=dtype, device=device)
+        # One scratch row past the shard (index ``num_rows``): the fixed-capacity exchange
+        # points its padding there (``nanogpt_pl.distributed.row_exchange``), so an update of
+        # a padded row list needs no data-dependent mask. ``v`` and ``last_event`` exclude it.
+        self._v = torch.zeros(num_rows + 1, dtype=dtype, device=device)
         # int32 as in the record: 4 bytes per row (42 MB for a record-size shard).
-        self.last_event = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        self._last_event = torch.zeros(num_rows + 1, dtype=torch.int32, device=device)
+        self.v, self.last_event = self._v[:num_rows], self._last_event[:num_rows]
         self.event = 0
         # (first event, β₂) of each run of events with the same β₂; replays multiply across runs.
         self.beta2_segments: list[tuple[int, float]] = []
@@ -86,8 +90,9 @@ class LazyRowAdam:
             lo = torch.clamp(le + 1, min=start)
             hi = min(event - 1, next_start - 1)
             n = torch.clamp(hi - lo + 1, min=0)
-            # β^0 is exactly 1, so rows outside the run are unaffected (and no host sync is needed).
-            factor = factor * torch.pow(torch.tensor(beta2, dtype=self.dtype, device=le.device), n.to(self.dtype))
+            # β^0 is exactly 1, so rows outside the run are unaffected (and no host sync is needed; a
+            # Python-scalar base needs no host-to-device copy either).
+            factor = factor * torch.pow(beta2, n.to(self.dtype))
         return factor
 
     @torch.no_grad()
@@ -96,8 +101,10 @@ class LazyRowAdam:
         """One event: update ``table[rows]`` with ``grad`` (rows unique, local to the shard).
 
         Args:
-            table: the shard ``[num_rows, D]`` (updated in place; only ``rows`` are read or written).
-            rows: unique local row indices ``[n]`` (int64).
+            table: the shard ``[num_rows, D]`` (updated in place; only ``rows`` are read or written),
+                or ``[num_rows + 1, D]`` with the scratch row when ``rows`` holds padding.
+            rows: unique local row indices ``[n]`` (int64); padding entries (any number) are
+                ``num_rows``, the scratch row, whose values are meaningless.
             grad: the merged gradient of those rows ``[n, D]`` (already averaged over ranks).
             lr: η, the full learning rate (base lr · schedule · lr_mul).
             beta2: this event's β₂.
@@ -110,15 +117,15 @@ class LazyRowAdam:
         if rows.numel() == 0:
             return
         p = table.index_select(0, rows).to(self.dtype)
-        v = self.v.index_select(0, rows) * self.decay_since(self.last_event.index_select(0, rows), j)
+        v = self._v.index_select(0, rows) * self.decay_since(self._last_event.index_select(0, rows), j)
         g = grad.to(self.dtype)
         v = beta2 * v + (1 - beta2) * g.square().mean(-1)
         u = g / (v.sqrt() + eps).unsqueeze(-1) * (lr * math.sqrt(1 - beta2**j))
         if weight_decay:
             u = u + torch.where(u * p > 0, p * (lr * lr * weight_decay), torch.zeros_like(p))
         table.index_copy_(0, rows, (p - u).to(table.dtype))
-        self.v.index_copy_(0, rows, v)
-        self.last_event.index_fill_(0, rows, j)
+        self._v.index_copy_(0, rows, v)
+        self._last_event.index_fill_(0, rows, j)
 
     @torch.no_grad()
     def replay_all_(self) -> None:
@@ -149,6 +156,12 @@ def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor
     v ← β₂v + (1-β₂)g², u = m/(√v + ε)·lr·√(1-β₂ᵗ)/(1-β₁ᵗ), cautious decay lr²·λ where
     u·p > 0, p ← p - u. ``rows`` must be unique; ``grad`` is ``[len(rows), D]``.
     """
+    _add_moments_(exp_avg, exp_avg_sq, rows, grad, betas)
+    _apply_moments_(param, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay)
+
+
+def _add_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor,
+                  betas: tuple[float, float]) -> None:
     beta1, beta2 = betas
     exp_avg.mul_(beta1)
     exp_avg_sq.mul_(beta2)
@@ -156,6 +169,11 @@ def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor
         g = grad.to(exp_avg.dtype)
         exp_avg.index_add_(0, rows, g, alpha=1 - beta1)
         exp_avg_sq.index_add_(0, rows, g * g, alpha=1 - beta2)
+
+
+def _apply_moments_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
+                    betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    beta1, beta2 = betas
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
     decay = lr * lr * weight_decay
     for a in range(0, param.shape[0], DENSE_CHUNK_ROWS):
@@ -165,6 +183,76 @@ def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor
         if decay:
             u = u + torch.where(u * p > 0, p * decay, torch.zeros_like(p))
         param[a:b].copy_((p - u).to(param.dtype))
+
+
+class ShardAdam:
+    """Adam state of one rank's block of ``planes`` tables (first and second moments, step count).
+
+    The state is allocated at the first update (fp32 ``[planes, rows, dim]`` each, plus one
+    scratch row for the padding of :meth:`update_rows_`), so a channel that never updates
+    costs nothing.
+
+    Args:
+        planes: tables sharing the block (the value-embedding planes).
+        rows: rows of the block this rank owns.
+        dim: row width.
+    """
+
+    def __init__(self, planes: int, rows: int, dim: int) -> None:
+        self.shape = (planes, rows, dim)
+        self.exp_avg: Optional[Tensor] = None
+        self.exp_avg_sq: Optional[Tensor] = None
+        self.step = 0
+
+    def _ensure_state(self, device: torch.device) -> None:
+        if self.exp_avg is None:
+            planes, rows, dim = self.shape
+            self._flat_avg = torch.zeros(planes * rows + 1, dim, dtype=torch.float32, device=device)
+            self._flat_avg_sq = torch.zeros_like(self._flat_avg)
+            self.exp_avg = self._flat_avg[:-1].view(self.shape)
+            self.exp_avg_sq = self._flat_avg_sq[:-1].view(self.shape)
+
+    @torch.no_grad()
+    def update_(self, blocks: list[Tensor], plane: Tensor, rows: Tensor, grad: Tensor, lr: float,
+                betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """One Adam step of every plane's block; ``grad[i]`` belongs to row ``rows[i]`` of plane ``plane[i]``."""
+        self._ensure_state(blocks[0].device)
+        self.step += 1
+        for p, block in enumerate(blocks):
+            sel = plane == p
+            shard_adam_(block, self.exp_avg[p], self.exp_avg_sq[p], rows[sel], grad[sel], self.step, lr, betas, eps,
+                        weight_decay)
+
+    @torch.no_grad()
+    def update_rows_(self, blocks: list[Tensor], flat_rows: Tensor, grad: Tensor, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """:meth:`update_` for a padded row list: ``flat_rows = plane·rows + row``, padding = ``planes·rows``.
+
+        No boolean selection, so no data-dependent size; the moments and the update are the
+        same numbers as :meth:`update_`'s (each real row gets exactly its one gradient term).
+        """
+        self._ensure_state(blocks[0].device)
+        self.step += 1
+        _add_moments_(self._flat_avg, self._flat_avg_sq, flat_rows, grad, betas)
+        for p, block in enumerate(blocks):
+            _apply_moments_(block, self.exp_avg[p], self.exp_avg_sq[p], self.step, lr, betas, eps, weight_decay)
+
+    def reset_(self) -> None:
+        self.exp_avg = self.exp_avg_sq = None
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Load ``state``; the moments are allocated on ``device`` (the tables' device)."""
+        self.step = int(state["step"])
+        if state["exp_avg"] is None:
+            self.exp_avg = self.exp_avg_sq = None
+        else:
+            self._ensure_state(device)
+            self.exp_avg.copy_(state["exp_avg"])
+            self.exp_avg_sq.copy_(state["exp_avg_sq"])
 
 
 class SparseChannel(Protocol):
@@ -243,7 +331,7 @@ class SparseAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Hyperparameters of the groups and the cadence flag; the channels' rank-local state is
-        checkpointed separately (``nanogpt_pl.distributed.ngram_shard.save_rank_local``)."""
+        checkpointed separately (``nanogpt_pl.distributed.side_files.save_rank_local``)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"param_groups": groups, "cadence_engaged": self.cadence_engaged}
 

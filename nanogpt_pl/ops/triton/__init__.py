@@ -1,0 +1,36 @@
+"""Triton kernels, and the one place that decides whether they can run.
+
+Importing this package does not import triton: the callers ask :func:`triton_usable` first
+and fall back to their PyTorch reference when it says no.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+import torch
+
+__all__ = ["interpret_mode", "triton_usable"]
+
+
+def interpret_mode() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, for debugging).
+
+    Triton reads the variable when it compiles a kernel, so it must be set before the kernel
+    modules are imported; ``tests/interpreter.py`` re-runs a test module in a fresh process
+    with it set.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_usable(device: Union[torch.device, str]) -> bool:
+    """Whether Triton kernels can run on ``device``: a CUDA device (or the interpreter), and
+    triton importable."""
+    if torch.device(device).type != "cuda" and not interpret_mode():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -21,8 +21,8 @@ Backward step, per element of g @ W2^T:
     amax = max(amax, |dpre|)                     (feeds the delayed dpre scale)
     out  = e5m2(dpre / dpre_scale), row-major and transposed
 
-The PyTorch reference of exactly these formulas is ``nanogpt_pl.ops.fp8`` (the
-emulated backend); the tests compare the two.
+The PyTorch reference of exactly these formulas is the reference backend of
+``nanogpt_pl.ops.fp8`` (``backends.py``); the tests compare the two.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import triton.language as tl
 from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
 
 # The ReLU² pass (bf16 in, e4m3 row-major and transposed out) at 49,152 x 2,816 on the H200:
-# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (notes/fp8_diag3.py).
+# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (`benchmarks/fp8_mlp.py --tile-sweep`).
 _GPU_TILE = (64, 128)
 # The dpre pass alone (no transposed store) at 49,152 x 2,816 on the H200: 0.217 ms with 32x128
-# tiles against 0.349 ms with 128x128 (notes/fp8_diag2.py).
+# tiles against 0.349 ms with 128x128 (BENCHMARKS.md "FP8").
 _DPRE_TILE = (32, 128)
 # GEMM tiles for H100/H200 FP8 (K-major operands, wgmma): 3 stages of 32 KiB fit in
 # shared memory twice over, so two CTAs per SM overlap one's epilogue with the other's loads.
@@ -160,11 +160,11 @@ def _mlp_refresh_kernel(w1_amax, w1_scale, w1_inv, w2_amax, w2_scale, w2_inv,
 def mlp_refresh_scales(state, exact: bool, constants: dict) -> None:
     """Every scale update of an FP8 MLP weight refresh in one launch (``Fp8MLPState.caches_for``).
 
-    The PyTorch reference is the emulated branch of ``caches_for``: weight scales from the
+    The PyTorch reference is the non-fused branch of ``caches_for``: weight scales from the
     amax buffers (times the lag headroom unless ``exact``), their reciprocals, the two
     delayed-scale folds, the reciprocals of the static scales and the refresh count. The weight
     amax buffers are left at zero; the weights' quantize passes refill them (``amax_into``).
-    ``constants`` holds the headroom, floor and ceiling values (from ``nanogpt_pl.ops.fp8``).
+    ``constants`` holds the headroom, floor and ceiling values (from ``nanogpt_pl.ops.fp8.formats``).
     """
     c = constants
     _mlp_refresh_kernel[(1,)](
@@ -187,7 +187,7 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK
 
 
 # (64, 128) tiles, 4 warps: 0.086 ms for a 49,152 x 2,816 byte tile on the H200, against 0.91 ms
-# for PyTorch's row.t().contiguous() (notes/fp8_diag2.py).
+# for PyTorch's row.t().contiguous() (BENCHMARKS.md "FP8").
 _TRANSPOSE_TILE = (64, 128)
 
 
@@ -197,7 +197,7 @@ def transpose_bytes(row: torch.Tensor, block: tuple[int, int] = _TRANSPOSE_TILE)
     The e5m2 (backward) tiles are transposed here rather than in the kernels that compute
     them: on the H200 (triton 3.6) the dpre kernels' own transposed stores wrote wrong bytes,
     whether the tile was stored as e5m2 or as its uint8 bit pattern and for every tile shape
-    tried (notes/fp8_diag2.py, tests/test_fp8_layouts.py); a kernel that only moves bytes
+    tried (BENCHMARKS.md "FP8", tests/test_fp8_layouts.py); a kernel that only moves bytes
     writes them right.
     """
     assert row.ndim == 2 and row.is_contiguous() and row.element_size() == 1
@@ -259,7 +259,7 @@ def _fp8_gemm_epilogue_kernel(a_ptr, b_ptr, row_ptr, t_ptr, aux_ptr,
 
     dequant = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
     # bf16 rounding of the dequantized product: the value _scaled_mm(out_dtype=bf16)
-    # would have written, so both MLP kernels and the emulation share one formula.
+    # would have written, so both MLP kernels and the reference share one formula.
     lin = round_to_bf16(acc * dequant)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if BACKWARD:

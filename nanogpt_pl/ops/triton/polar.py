@@ -23,16 +23,17 @@ tiles go to the tensor cores as they are.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import interpret_mode
+
 Tensor = torch.Tensor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpret_mode()  # read once: triton itself reads the variable at import
 
 
 def _configs(kind: str) -> list[triton.Config]:
@@ -222,7 +223,7 @@ def _check(*ts: Tensor) -> None:
     if dev.type != "cuda" and not INTERPRET:
         raise RuntimeError(
             "the Triton polar kernels need a CUDA tensor (or TRITON_INTERPRET=1 for debugging on CPU); "
-            "use backend='torch' on CPU"
+            "use backend='reference' on CPU"
         )
     for t in ts:
         if t.device != dev:

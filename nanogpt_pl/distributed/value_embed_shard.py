@@ -1,0 +1,196 @@
+"""Value embeddings as a sparse channel: replicated tables, compact gradients, owner-sharded Adam.
+
+Value embeddings (RECORD §5) are replicated on every rank (the model's ``value_embeds``
+parameters, 4 × 50,304 × 768 in the record) but get the same compact gradient path as
+the n-gram table: their gradients are exchanged as compact rows to the owner of each
+token-id block (:class:`~.row_exchange.RowExchange`), the owner runs Adam (β₁ = 0.75,
+state in ``nanogpt_pl.optim.sparse_adam.ShardAdam``) over its block, and the updated
+blocks are all-gathered into every replica. (The record instead pulls only the rows the
+next cycle reads, which needs the loader's lookahead; the all-gather costs ~300 MB per
+event at the record's size, i.e. every 4th step.)
+
+``exchange="fixed"`` does this without a device -> host sync (``row_exchange``): a
+micro-batch of T tokens keeps ``min(T, V)`` sentinel-padded ids, the event merges the
+cycle's padded lists into one of their total length and the owner's Adam takes the
+padded row list (``ShardAdam.update_rows_``). ``reference`` (exact sizes) is the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..model.embeddings import CompactRows, compact_rows, padded_leaf
+from ..optim.sparse_adam import ShardAdam
+from .row_exchange import (
+    EXCHANGES,
+    RowExchange,
+    dist_world_rank,
+    merge_compact,
+    merge_compact_fixed,
+    pad_to_common,
+    unique_fixed,
+)
+from .side_files import STATE_FORMAT
+
+
+class ValueEmbedShard:
+    """Value-embedding planes: replicated tables, compact gradients, owner-sharded Adam.
+
+    Row ``x·P + p`` stands for token ``x`` of plane ``p`` (P planes), so the owner of token
+    block ``[r·c, (r+1)·c)`` (``c = ceil(V / W)``) owns one contiguous block of that row space.
+
+    Args:
+        tables: the P value-embedding tables ``[V, D]`` (the model's parameters; updated in place).
+        process_group: ranks sharing them.
+        grad_wire_dtype: dtype of gradient rows on the wire (default: the tables' dtype).
+        exchange: ``"reference"`` (exact sizes, host-side counts) or ``"fixed"`` (fixed
+            capacity from the batch, no host sync).
+    """
+
+    def __init__(self, tables: list[Tensor], process_group: Optional[dist.ProcessGroup] = None,
+                 grad_wire_dtype: Optional[torch.dtype] = None, exchange: str = "reference") -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"value-embedding exchange={exchange!r}: choose one of {EXCHANGES}")
+        self.fixed = exchange == "fixed"
+        if not tables:
+            raise ValueError("ValueEmbedShard needs at least one table")
+        shapes = {tuple(t.shape) for t in tables}
+        if len(shapes) != 1:
+            raise ValueError(f"value-embedding tables differ in shape: {sorted(shapes)}")
+        self.params = list(tables)
+        self.planes = len(tables)
+        self.vocab, self.dim = tables[0].shape
+        self.world, self.rank = dist_world_rank(process_group)
+        self.tokens_per_rank = -(-self.vocab // self.world)
+        self.lo = min(self.vocab, self.rank * self.tokens_per_rank)
+        self.hi = min(self.vocab, self.lo + self.tokens_per_rank)
+        self.exchange = RowExchange(
+            [r * self.tokens_per_rank * self.planes for r in range(self.world + 1)], process_group, self.device
+        )
+        self.grad_wire_dtype = grad_wire_dtype
+        self.adam = ShardAdam(self.planes, self.hi - self.lo, self.dim)
+        # padding id of the fixed exchange: after every token, and its rows (id·P + p) after every owner's
+        self.sentinel = self.tokens_per_rank * self.world
+        self._queue: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def prepare(self, input_ids: Tensor, requires_grad: bool = True, pad_to: Optional[int] = None,
+                leaf_dtype: torch.dtype = torch.float32) -> CompactRows:
+        """Gather every plane at the unique ids of ``input_ids`` as the model's :class:`CompactRows`.
+
+        With the fixed exchange only training reads (``requires_grad``) take the fixed path,
+        as in ``NgramShard.prepare``.
+        """
+        if self.fixed and requires_grad:
+            bound = min(input_ids.numel(), self.vocab)  # the most distinct ids T tokens can hold
+            if pad_to is not None and pad_to < bound:
+                raise ValueError(f"pad_to={pad_to} is below the {bound} ids a batch of {input_ids.numel()} tokens "
+                                 "can hold; the fixed value-embedding exchange needs room for all of them")
+            ids, index = unique_fixed(input_ids.long().reshape(-1), pad_to or bound, self.sentinel)
+            index = index.view(input_ids.shape)
+            real = (ids < self.vocab).unsqueeze(-1)
+            safe = ids.clamp(max=self.vocab - 1)
+            zero = torch.zeros((), dtype=self.params[0].dtype, device=ids.device)
+            values = torch.stack([torch.where(real, t.detach().index_select(0, safe), zero) for t in self.params])
+        else:
+            ids, index = compact_rows(input_ids.long(), pad_to)
+            values = torch.stack([t.detach().index_select(0, ids) for t in self.params])
+        return CompactRows(values=padded_leaf(values, pad_to, leaf_dtype).requires_grad_(requires_grad),
+                           index=index, ids=ids)
+
+    def push(self, ids: Tensor, grad: Tensor) -> None:
+        """Queue a micro-batch's compact gradient ``[P, U (+ padding), D]`` of the sorted unique ``ids``."""
+        n = ids.numel()
+        if grad.shape[0] != self.planes or grad.shape[1] < n:
+            raise ValueError(f"gradient of shape {tuple(grad.shape)} for {self.planes} planes x {n} ids")
+        self._queue.append((ids.to(self.device), grad[:, :n].detach()))
+
+    def merged_gradient(self) -> tuple[Tensor, Tensor]:
+        if self.fixed and self._queue:
+            ids, grads = merge_compact_fixed(self._queue, self.sentinel, row_dim=1)
+        else:
+            ids, grads = merge_compact(self._queue, (self.planes, 0, self.dim), self.device, row_dim=1)
+        self._queue = [(ids, grads)] if ids.numel() else []
+        return ids, grads
+
+    @property
+    def step_count(self) -> int:
+        """Events run so far (the Adam step count)."""
+        return self.adam.step
+
+    @torch.no_grad()
+    def step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """One event: owners merge the cycle's rows, run Adam over their block, share it. Collective."""
+        ids, grads = self.merged_gradient()
+        rows = (ids[:, None] * self.planes + torch.arange(self.planes, device=ids.device)).reshape(-1)
+        values = grads.permute(1, 0, 2).reshape(-1, self.dim)
+        blocks = [table.data[self.lo : self.hi] for table in self.params]
+        if self.fixed and ids.numel():
+            local, merged = self.exchange.reduce_to_owners_fixed(rows, values, self.grad_wire_dtype)
+            if self.world > 1:
+                merged.div_(self.world)
+            # local = token·P + plane; the padding (the exchange's scratch row) goes to the state's scratch row
+            own = self.hi - self.lo
+            flat = torch.where(local < own * self.planes, (local % self.planes) * own + local // self.planes,
+                               torch.full_like(local, own * self.planes))
+            self.adam.update_rows_(blocks, flat, merged, lr, betas, eps, weight_decay)
+        else:
+            local, merged = self.exchange.reduce_to_owners(rows, values, self.grad_wire_dtype)
+            if self.world > 1:
+                merged.div_(self.world)
+            self.adam.update_(blocks, local % self.planes, local // self.planes, merged, lr, betas, eps, weight_decay)
+        self._queue = []
+        if self.world > 1:
+            self._share_blocks()
+
+    def _share_blocks(self) -> None:
+        c = self.tokens_per_rank
+        own = torch.zeros(self.planes, c, self.dim, dtype=self.params[0].dtype, device=self.device)
+        for p, table in enumerate(self.params):
+            own[p, : self.hi - self.lo] = table.data[self.lo : self.hi]
+        blocks = [torch.empty_like(own) for _ in range(self.world)]
+        dist.all_gather(blocks, own, group=self.exchange.group)
+        self.exchange.bytes_sent["gather_values"] += own.numel() * own.element_size() * (self.world - 1)
+        self.exchange.bytes_received["gather_values"] += own.numel() * own.element_size() * (self.world - 1)
+        for r, block in enumerate(blocks):
+            lo, hi = min(self.vocab, r * c), min(self.vocab, (r + 1) * c)
+            if r != self.rank and hi > lo:
+                for p, table in enumerate(self.params):
+                    table.data[lo:hi].copy_(block[p, : hi - lo])
+
+    def pristine(self) -> bool:
+        """No event has run and nothing is queued (the tables themselves belong to the model)."""
+        return self.step_count == 0 and not self._queue
+
+    @torch.no_grad()
+    def reset_(self) -> None:
+        """Drop the Adam state and queued gradients (the tables belong to the model)."""
+        self.adam.reset_()
+        self._queue = []
+
+    def state_dict(self) -> dict[str, Any]:
+        ids, grads = self.merged_gradient()
+        if self.fixed:  # the checkpoint holds the real ids only (a host sync is fine here)
+            n = int((ids < self.sentinel).sum())
+            ids, grads = ids[:n], grads[:, :n]
+        return {"format": STATE_FORMAT, "world_size": self.world, "rank": self.rank, **self.adam.state_dict(),
+                "pending_ids": ids, "pending_grad": grads}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.world:
+            raise ValueError(
+                f"checkpoint value-embedding Adam state is sharded over {state['world_size']} ranks, this run has "
+                f"{self.world}; resume with the same number of devices"
+            )
+        self.adam.load_state_dict(state, self.device)
+        ids, grads = state["pending_ids"].to(self.device), state["pending_grad"].to(self.device)
+        if self.fixed:
+            ids, grads = pad_to_common(ids, grads, self.sentinel, self.exchange.group, row_dim=1)
+        self._queue = [(ids, grads)] if ids.numel() else []

@@ -1,0 +1,134 @@
+"""The FP8 weight cache: when a weight's FP8 copies are stale, and the state base class.
+
+Weight caches are rebuilt once per optimizer step, not per micro-batch: a weight's
+``_version`` counter (bumped by every in-place update made through autograd-visible ops,
+which is how optimizers update parameters) and its storage address decide staleness. An
+update made through ``param.data`` does not bump the counter: call ``state.invalidate()``
+after one.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .backends import _FAST, _REFERENCE, check_backend, fp8_available
+from .formats import AMAX_CEILING
+
+
+def weight_key(w: Tensor) -> tuple:
+    """What identifies the values of ``w`` between optimizer steps.
+
+    The root tensor (a view's base) is compared by identity, so a weight recomputed every
+    forward (``torch.cat`` of parameters) never matches a freed one that happened to get
+    the same address; ``_version`` is shared by a parameter and all its views.
+    """
+    root = w._base if w._base is not None else w
+    return weakref.ref(root), (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device)
+
+
+def keys_match(old: Optional[tuple], new: tuple) -> bool:
+    if old is None or len(old) != len(new):
+        return False
+    for (ref_a, meta_a), (ref_b, meta_b) in zip(old, new):
+        root = ref_a()
+        if root is None or root is not ref_b() or meta_a != meta_b:
+            return False
+    return True
+
+
+@dataclass
+class WeightCache:
+    row: Tensor  # [out, in] e4m3, contiguous
+    col: Tensor  # [in, out] e4m3, contiguous (a view of row on the reference path)
+
+
+def fold_delayed(amax: Tensor, scale: Tensor, gain: float, floor: float) -> None:
+    """scale <- max(amax·gain, floor) where something was seen (amax > 0); amax <- 0.
+
+    inf/NaN amaxes count as nothing seen, so one bad step cannot poison the scale.
+    """
+    a = torch.nan_to_num(amax, nan=0.0, posinf=0.0, neginf=0.0).clamp(max=AMAX_CEILING)
+    scale.copy_(torch.where(a > 0, (a * gain).clamp(min=floor), scale))
+    amax.zero_()
+
+
+def scalar_buffer(value: float) -> Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+class Fp8State(nn.Module):
+    """Backend choice, device handling and cache invalidation shared by the FP8 states.
+
+    The scale buffers are read through reciprocals computed at each cache refresh: an edit
+    to a buffer takes effect at the next refresh (``invalidate()`` forces one).
+    """
+
+    def __init__(self, backend: str, config_key: str) -> None:
+        super().__init__()
+        check_backend(backend)
+        self.backend = backend
+        self.config_key = config_key
+        self.register_buffer("refresh_count", torch.zeros((), dtype=torch.int64))
+        self._refreshes = 0  # host mirror of refresh_count, so no step syncs on it
+        self._cache_key: Optional[tuple] = None
+        self._cache_kern: Optional[str] = None
+        self._kernels_override: Any = None  # tests run the fast path on CPU under TRITON_INTERPRET=1
+        self._warned_recomputed = False
+
+    def invalidate(self) -> None:
+        """Force the weight cache (and the delayed scales) to refresh at the next call."""
+        self._cache_key = None
+
+    def _kernels(self, device: torch.device) -> Any:
+        if self._kernels_override is not None:
+            return self._kernels_override
+        if self.backend == "reference":
+            return _REFERENCE
+        fast = fp8_available(device)
+        if self.backend == "scaled_mm" and not fast:
+            raise RuntimeError(
+                f"{self.config_key}: fp8 backend 'scaled_mm' needs a CUDA GPU with compute capability >= 8.9 "
+                f"and Triton, but the input is on {device}. Set {self.config_key}: false to run this layer "
+                "without FP8, or use fp8 backend 'auto' (the reference off such GPUs) or 'reference'.")
+        return _FAST if fast else _REFERENCE
+
+    def _follow_device(self, device: torch.device) -> None:
+        if self.refresh_count.device != device:
+            self.to(device)
+
+    def _check_recomputed(self, w: Tensor) -> None:
+        if w._base is None and not w.is_leaf and not self._warned_recomputed:
+            self._warned_recomputed = True
+            warnings.warn(
+                f"{self.config_key}: the FP8 weight passed here is recomputed every forward (it has a grad_fn "
+                "and is not a view of a parameter), so its FP8 cache is rebuilt on every call. Pass the "
+                "parameters themselves (fp8_linear accepts a tuple of row blocks).", stacklevel=4)
+
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() must not round the scales: torch._scaled_mm and the
+        # kernels read them as fp32. Device moves still apply.
+        saved = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for k, old in saved.items():
+            new = self._buffers[k]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[k] = old.to(new.device)
+        return self
+
+    def _count_refresh(self) -> None:
+        self.refresh_count.add_(1)
+        self._refreshes += 1
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._refreshes = int(self.refresh_count)
+        self.invalidate()
+

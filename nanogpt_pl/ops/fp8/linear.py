@@ -1,0 +1,167 @@
+"""FP8 linear layer ``y = x @ Wᵀ``: the QKV projection and the lm_head's scales (RECORD §7)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .backends import check_aligned, round_up
+from .cache import Fp8State, WeightCache, keys_match, scalar_buffer, weight_key
+from .formats import (
+    E4M3,
+    E4M3_MAX,
+    GRAD_DTYPES,
+    HEAD_GRAD_SCALE,
+    HEAD_W_SCALE,
+    HEAD_X_SCALE,
+    NORMED_X_SCALE,
+    QKV_GRAD_SCALE,
+    RECORD_QKV_X_SCALE,
+    WEIGHT_AMAX_FLOOR,
+)
+
+
+class Fp8LinearState(Fp8State):
+    """Scales and weight cache of one FP8 linear layer ``y = x @ Wᵀ``.
+
+    Defaults are the record's QKV projection (RECORD §7): e4m3 input at a static scale,
+    exact per-refresh weight scale, e4m3 gradient at the static scale 1/448.
+    :meth:`for_lm_head` gives the lm_head's static scales, :meth:`for_record_qkv` the
+    record's QKV input scale.
+
+    Args:
+        x_scale: static dequantization scale of the input. Default 2⁻⁴, clip-free for
+            RMSNorm outputs of width <= 784 (the record's QKV used 8/448, which clips |x| > 8).
+        weight_scale: static weight scale; None = exact amax/448 at every refresh.
+        grad_dtype: ``"e4m3"`` or ``"e5m2"``, format of the incoming gradient.
+        grad_scale: static dequantization scale of the incoming gradient (see "Loss
+            normalization" in ``fp8.md``).
+        backend: ``"auto"``, ``"reference"`` or ``"scaled_mm"``.
+        config_key: the config option that switched this layer to FP8, named in errors.
+    """
+
+    def __init__(self, x_scale: float = NORMED_X_SCALE, weight_scale: Optional[float] = None,
+                 grad_dtype: Literal["e4m3", "e5m2"] = "e4m3", grad_scale: float = QKV_GRAD_SCALE,
+                 backend: str = "auto", config_key: str = "model.gpt.fp8_qkv") -> None:
+        super().__init__(backend, config_key)
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"{config_key}: grad_dtype must be 'e4m3' or 'e5m2', got {grad_dtype!r}")
+        self.grad_dtype = GRAD_DTYPES[grad_dtype]
+        self.exact_weight_scale = weight_scale is None
+        self.register_buffer("x_scale", scalar_buffer(x_scale))
+        self.register_buffer("w_scale", scalar_buffer(1.0 if weight_scale is None else weight_scale))
+        self.register_buffer("grad_scale", scalar_buffer(grad_scale))
+        self.register_buffer("w_amax", scalar_buffer(0.0))  # amax of the weight at the last refresh
+        for name in ("x", "w", "grad"):
+            self.register_buffer(f"_{name}_inv", scalar_buffer(1.0), persistent=False)
+        self._cache: Optional[WeightCache] = None
+
+    @classmethod
+    def for_lm_head(cls, backend: str = "auto", config_key: str = "model.gpt.fp8_head") -> "Fp8LinearState":
+        """The record's lm_head scales (RECORD §7): x 100/448, weight 2/448, e5m2 gradient (0.75/8)/448."""
+        return cls(x_scale=HEAD_X_SCALE, weight_scale=HEAD_W_SCALE, grad_dtype="e5m2",
+                   grad_scale=HEAD_GRAD_SCALE, backend=backend, config_key=config_key)
+
+    @classmethod
+    def for_record_qkv(cls, backend: str = "auto", config_key: str = "model.gpt.fp8_qkv") -> "Fp8LinearState":
+        """The record's QKV scales (RECORD §7): static input scale 8/448, so |x| > 8 saturates at
+        ±448 in e4m3 (never inf); exact weight scale over all row blocks; e4m3 gradient at 1/448."""
+        return cls(x_scale=RECORD_QKV_X_SCALE, backend=backend, config_key=config_key)
+
+    @torch.no_grad()
+    def cache_for(self, parts: Sequence[Tensor], kern: Any) -> WeightCache:
+        """The FP8 copies of the row-stacked ``parts``; rebuilt only when a part changed."""
+        key = tuple(weight_key(p) for p in parts)
+        if self._cache is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
+            return self._cache
+        for p in parts:
+            self._check_recomputed(p)
+        w = parts[0].detach() if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+        self._follow_device(w.device)
+        if self.exact_weight_scale:
+            self.w_scale.copy_(w.abs().amax().float().clamp(min=WEIGHT_AMAX_FLOOR) / E4M3_MAX)
+        torch.reciprocal(self.w_scale, out=self._w_inv)
+        torch.reciprocal(self.x_scale, out=self._x_inv)
+        torch.reciprocal(self.grad_scale, out=self._grad_inv)
+        row, col, amax = kern.quant_weight(w, self._w_inv)
+        self.w_amax.copy_(amax)
+        self._cache = WeightCache(row, col)
+        self._cache_key, self._cache_kern = key, kern.name
+        self._count_refresh()
+        return self._cache
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, state: Fp8LinearState, kern: Any, cache: WeightCache, *parts: Tensor) -> Tensor:
+        n = x.shape[0]
+        rows = round_up(n, kern.row_align)
+        need_wgrad = any(ctx.needs_input_grad[4:])
+        with torch.autocast(x.device.type, enabled=False):
+            xq, xt = kern.quant(x, state._x_inv, E4M3, rows, want_row=True, want_t=need_wgrad)
+            y = kern.mm(xq, cache.row, state.x_scale, state.w_scale, x.dtype, True)
+        ctx.state, ctx.kern, ctx.cache, ctx.xt, ctx.n = state, kern, cache, xt, n
+        ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
+        return y[:n] if rows != n else y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        state, kern, cache, n = ctx.state, ctx.kern, ctx.cache, ctx.n
+        rows = round_up(n, kern.row_align)
+        need_x = ctx.needs_input_grad[0]
+        need_w = any(ctx.needs_input_grad[4:])
+        dx = None
+        dparts: list[Optional[Tensor]] = [None] * len(ctx.part_meta)
+        with torch.autocast(gy.device.type, enabled=False):
+            gq, gt = kern.quant(gy, state._grad_inv, state.grad_dtype, rows, want_row=need_x, want_t=need_w)
+            if need_x:
+                dx = kern.mm(gq, cache.col, state.grad_scale, state.w_scale, gy.dtype, False)
+                dx = dx[:n] if rows != n else dx
+            if need_w:
+                dw = kern.mm(gt, ctx.xt, state.grad_scale, state.x_scale, ctx.part_meta[0][1], False)
+                start = 0
+                for i, (size, dtype) in enumerate(ctx.part_meta):
+                    if ctx.needs_input_grad[4 + i]:
+                        dparts[i] = dw[start:start + size].to(dtype)
+                    start += size
+        ctx.xt = ctx.cache = None
+        return (dx, None, None, None, *dparts)
+
+
+def _as_parts(weight: Union[Tensor, Sequence[Tensor]]) -> tuple[Tensor, ...]:
+    parts = (weight,) if isinstance(weight, Tensor) else tuple(weight)
+    if not parts or any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
+        raise ValueError("fp8_linear: weight must be a 2-D [out, in] tensor or a sequence of them with the "
+                         f"same `in`; got shapes {[tuple(p.shape) for p in parts]}")
+    return parts
+
+
+@torch.compiler.disable
+def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8LinearState) -> Tensor:
+    """``x @ weightᵀ`` with e4m3 operands forward and the state's gradient format backward.
+
+    Args:
+        x: ``[..., in]`` activations (bf16 on GPU).
+        weight: ``[out, in]`` (nn.Linear layout), or a sequence of such blocks stacked along
+            ``out`` (e.g. ``(qk_w.flatten(0, 1), v_w)``): pass parameters or views of them,
+            not a tensor recomputed every forward, or the FP8 cache is rebuilt every call.
+        state: the layer's :class:`Fp8LinearState`; in eval mode this is a plain matmul.
+
+    Returns:
+        ``[..., out]`` in ``x.dtype``.
+    """
+    parts = _as_parts(weight)
+    if x.shape[-1] != parts[0].shape[1]:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight expects {parts[0].shape[1]}")
+    if not state.training:
+        w = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return F.linear(x, w.to(x.dtype))
+    kern = state._kernels(x.device)
+    check_aligned(kern, state.config_key, x.shape[-1], sum(p.shape[0] for p in parts))
+    cache = state.cache_for(parts, kern)
+    lead = x.shape[:-1]
+    y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), state, kern, cache, *parts)
+    return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,198 @@
+"""FP8 ReLU² MLP ``relu(x @ w_fcᵀ)² @ w_proj`` with exact, lagged and delayed scales (RECORD §7)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .backends import check_aligned, round_up
+from .cache import Fp8State, WeightCache, fold_delayed, keys_match, scalar_buffer, weight_key
+from .formats import (
+    DPRE_HEADROOM,
+    DPRE_SCALE_BOOTSTRAP,
+    DPRE_SCALE_FLOOR,
+    E4M3,
+    E4M3_MAX,
+    E5M2,
+    E5M2_MAX,
+    EXACT_WEIGHT_REFRESHES,
+    MLP_GRAD_SCALE,
+    NORMED_X_SCALE,
+    POST_HEADROOM,
+    POST_SCALE_BOOTSTRAP,
+    POST_SCALE_FLOOR,
+    WEIGHT_AMAX_FLOOR,
+    WEIGHT_LAG_HEADROOM,
+)
+
+RELU2_KERNELS = ("elementwise", "gemm_epilogue")
+# Which MLP kernel pair "auto" picks: set from benchmarks/fp8_mlp.py on an H200.
+DEFAULT_RELU2_KERNEL = "elementwise"
+
+
+class Fp8MLPState(Fp8State):
+    """Scales, amax history and weight caches of one FP8 ReLU² MLP (RECORD §7).
+
+    Buffers (checkpointed): ``x_scale`` (static 2⁻⁴), ``w1_scale``/``w2_scale`` and the
+    weight amaxes of the last refresh ``w1_amax``/``w2_amax`` (lagged scales),
+    ``post_scale``/``post_amax`` and ``dpre_scale``/``dpre_amax`` (delayed scales and the
+    running maxima since the last refresh), ``grad_scale`` (static 2⁻⁶) and
+    ``refresh_count``.
+
+    Args:
+        backend: ``"auto"``, ``"reference"`` or ``"scaled_mm"``.
+        relu2_kernel: how the two GEMM+nonlinearity steps run on the fast path:
+            ``"elementwise"`` (cuBLAS GEMM, then one fused Triton pass) or
+            ``"gemm_epilogue"`` (one Triton GEMM with the nonlinearity and quantization in
+            its epilogue); ``"auto"`` = ``DEFAULT_RELU2_KERNEL``. The reference path computes
+            the same values either way.
+        grad_scale: static scale of the incoming gradient (see "Loss normalization" in ``fp8.md``).
+        exact_weight_refreshes: refreshes that use exact weight scales before lagging.
+        config_key: the config option that switched this MLP to FP8, named in errors.
+    """
+
+    def __init__(self, backend: str = "auto", relu2_kernel: str = "auto", grad_scale: float = MLP_GRAD_SCALE,
+                 exact_weight_refreshes: int = EXACT_WEIGHT_REFRESHES,
+                 config_key: str = "model.gpt.fp8_mlp") -> None:
+        super().__init__(backend, config_key)
+        if relu2_kernel == "auto":
+            relu2_kernel = DEFAULT_RELU2_KERNEL
+        if relu2_kernel not in RELU2_KERNELS:
+            raise ValueError(f"{config_key}: relu2_kernel must be 'auto' or one of {RELU2_KERNELS}, "
+                             f"got {relu2_kernel!r}")
+        self.relu2_kernel = relu2_kernel
+        self.exact_weight_refreshes = exact_weight_refreshes
+        self.register_buffer("x_scale", scalar_buffer(NORMED_X_SCALE))
+        self.register_buffer("w1_scale", scalar_buffer(1.0))
+        self.register_buffer("w2_scale", scalar_buffer(1.0))
+        self.register_buffer("w1_amax", scalar_buffer(0.0))
+        self.register_buffer("w2_amax", scalar_buffer(0.0))
+        self.register_buffer("post_scale", scalar_buffer(POST_SCALE_BOOTSTRAP))
+        self.register_buffer("post_amax", scalar_buffer(0.0))
+        self.register_buffer("dpre_scale", scalar_buffer(DPRE_SCALE_BOOTSTRAP))
+        self.register_buffer("dpre_amax", scalar_buffer(0.0))
+        self.register_buffer("grad_scale", scalar_buffer(grad_scale))
+        for name in ("x", "w1", "w2", "post", "dpre", "grad"):
+            self.register_buffer(f"_{name}_inv", scalar_buffer(1.0), persistent=False)
+        self._w1: Optional[WeightCache] = None
+        self._w2: Optional[WeightCache] = None
+
+    @torch.no_grad()
+    def caches_for(self, w_fc: Tensor, w_proj: Tensor, kern: Any) -> tuple[WeightCache, WeightCache]:
+        """FP8 copies of both weights, rebuilt (with every delayed scale) when either changed."""
+        key = (weight_key(w_fc), weight_key(w_proj))
+        if self._w1 is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
+            return self._w1, self._w2
+        self._check_recomputed(w_fc)
+        self._check_recomputed(w_proj)
+        self._follow_device(w_fc.device)
+        exact = self._refreshes < self.exact_weight_refreshes
+        if kern.fused_refresh:
+            caches = self._refresh_fused(w_fc.detach(), w_proj.detach(), exact, kern)
+        else:
+            caches = []
+            for w, scale, amax, inv in ((w_fc, self.w1_scale, self.w1_amax, self._w1_inv),
+                                        (w_proj, self.w2_scale, self.w2_amax, self._w2_inv)):
+                w = w.detach()
+                if exact:
+                    scale.copy_(w.abs().amax().float().clamp(min=WEIGHT_AMAX_FLOOR) / E4M3_MAX)
+                else:
+                    # Lagged: the amax measured by the previous refresh's quantize pass.
+                    scale.copy_((amax * WEIGHT_LAG_HEADROOM).clamp(min=WEIGHT_AMAX_FLOOR) / E4M3_MAX)
+                torch.reciprocal(scale, out=inv)
+                row, col, new_amax = kern.quant_weight(w, inv)
+                amax.copy_(new_amax)
+                caches.append(WeightCache(row, col))
+            fold_delayed(self.post_amax, self.post_scale, POST_HEADROOM / E4M3_MAX, POST_SCALE_FLOOR)
+            fold_delayed(self.dpre_amax, self.dpre_scale, DPRE_HEADROOM / E5M2_MAX, DPRE_SCALE_FLOOR)
+            for name in ("x", "post", "dpre", "grad"):
+                torch.reciprocal(getattr(self, f"{name}_scale"), out=getattr(self, f"_{name}_inv"))
+            self.refresh_count.add_(1)
+        self._w1, self._w2 = caches
+        self._cache_key, self._cache_kern = key, kern.name
+        self._refreshes += 1
+        return self._w1, self._w2
+
+    def _refresh_fused(self, w_fc: Tensor, w_proj: Tensor, exact: bool, kern: Any) -> list[WeightCache]:
+        """The same refresh as the PyTorch branch of :meth:`caches_for` in three launches (plus
+        two amax passes in the exact phase): one kernel for every scale, one quantize pass per
+        weight that also measures its amax for the next refresh. ~30 small launches fewer."""
+        if exact:
+            for w, amax in ((w_fc, self.w1_amax), (w_proj, self.w2_amax)):
+                amax.copy_(w.abs().amax())
+        kern.refresh_scales(self, exact)
+        return [WeightCache(*kern.quant_weight_into(w, inv, amax))
+                for w, inv, amax in ((w_fc, self._w1_inv, self.w1_amax), (w_proj, self._w2_inv, self.w2_amax))]
+
+
+class _Fp8MLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState, kern: Any,
+                c1: WeightCache, c2: WeightCache) -> Tensor:
+        n = x.shape[0]
+        rows = round_up(n, kern.row_align)
+        fused = state.relu2_kernel == "gemm_epilogue"
+        with torch.autocast(x.device.type, enabled=False):
+            xq, xt = kern.quant(x, state._x_inv, E4M3, rows)
+            post, post_t = kern.up_relu2(xq, c1.row, state.x_scale, state.w1_scale, state._post_inv,
+                                         state.post_amax, fused)
+            y = kern.mm(post, c2.col, state.post_scale, state.w2_scale, x.dtype, True)
+        ctx.state, ctx.kern, ctx.c1, ctx.c2, ctx.n = state, kern, c1, c2, n
+        ctx.xt, ctx.post, ctx.post_t = xt, post, post_t
+        ctx.dtypes = (x.dtype, w_fc.dtype, w_proj.dtype)
+        return y[:n] if rows != n else y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        state, kern, c1, c2, n = ctx.state, ctx.kern, ctx.c1, ctx.c2, ctx.n
+        x_dtype, w1_dtype, w2_dtype = ctx.dtypes
+        rows = round_up(n, kern.row_align)
+        fused = state.relu2_kernel == "gemm_epilogue"
+        dx = dw1 = dw2 = None
+        with torch.autocast(gy.device.type, enabled=False):
+            gq, gt = kern.quant(gy, state._grad_inv, E5M2, rows)
+            if ctx.needs_input_grad[2]:
+                dw2 = kern.mm(ctx.post_t, gt, state.post_scale, state.grad_scale, w2_dtype, False)
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                dq, dqt = kern.dpre(gq, c2.row, state.grad_scale, state.w2_scale, ctx.post, state.post_scale,
+                                    state._dpre_inv, state.dpre_amax, fused)
+                if ctx.needs_input_grad[1]:
+                    dw1 = kern.mm(dqt, ctx.xt, state.dpre_scale, state.x_scale, w1_dtype, False)
+                if ctx.needs_input_grad[0]:
+                    dx = kern.mm(dq, c1.col, state.dpre_scale, state.w1_scale, x_dtype, False)
+                    dx = dx[:n] if rows != n else dx
+        ctx.xt = ctx.post = ctx.post_t = ctx.c1 = ctx.c2 = None
+        return dx, dw1, dw2, None, None, None, None
+
+
+@torch.compiler.disable
+def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tensor:
+    """The ReLU² MLP ``relu(x @ w_fcᵀ)² @ w_proj`` in FP8 (RECORD §7).
+
+    Args:
+        x: ``[..., D]`` RMSNorm output (the static 2⁻⁴ input scale relies on
+            ``|x| <= sqrt(D)``; larger values are clamped, never inf).
+        w_fc: ``[H, D]`` up-projection; w_proj: ``[H, D]`` down-projection (the record's
+            bank layout). Pass the parameters (or views of them) so the caches persist.
+        state: the layer's :class:`Fp8MLPState`; in eval mode this is the plain bf16 MLP.
+
+    Returns:
+        ``[..., D]`` in ``x.dtype``. Backward gives ``dx``, ``dw_fc = dpreᵀx`` and
+        ``dw_proj = postᵀg`` in the dtypes of ``x`` and the weights.
+    """
+    if w_fc.dim() != 2 or w_fc.shape != w_proj.shape or x.shape[-1] != w_fc.shape[1]:
+        raise ValueError(f"fp8_mlp: expected x [..., D] and w_fc, w_proj both [H, D]; got {tuple(x.shape)}, "
+                         f"{tuple(w_fc.shape)}, {tuple(w_proj.shape)}")
+    if not state.training:
+        h = F.relu(x @ w_fc.to(x.dtype).t()).square()
+        return h @ w_proj.to(x.dtype)
+    kern = state._kernels(x.device)
+    check_aligned(kern, state.config_key, *w_fc.shape)
+    c1, c2 = state.caches_for(w_fc, w_proj, kern)
+    lead = x.shape[:-1]
+    y = _Fp8MLPFunction.apply(x.reshape(-1, x.shape[-1]), w_fc, w_proj, state, kern, c1, c2)
+    return y.reshape(*lead, y.shape[-1])
+

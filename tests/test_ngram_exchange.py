@@ -1,0 +1,365 @@
+"""The fixed-capacity row exchange: the same bits as the reference exchange, and no host sync.
+
+Two copies of the sparse channels (n-gram shard + value embeddings) start from the same
+state on the same ranks: one with the ``reference`` exchange (exact sizes, counts read
+on the host), one with the ``fixed`` exchange (sentinel-padded buffers sized from the
+batch). Every micro-batch gets fresh random tokens; the leaves, the loss, the leaf
+gradients, the merged cycle gradients, the sums at the owners, the updated rows and Adam
+state, and the mid-cycle checkpoints must agree bit for bit (``torch.equal``), at 1, 2,
+4 and 8 gloo processes,
+once with gradients on the wire in the table dtype and once in bf16 (where a rank's own
+rows must skip the wire cast, as in the reference). Mid-cycle the fixed copy restarts
+from the reference copy's checkpoint (different pending row counts per rank) and must
+carry on identically.
+
+The second part runs the fixed exchange under a guard that fails on anything that
+reads device data on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.unique``,
+``nonzero``, boolean-mask indexing, ``all_to_all`` with split sizes), and checks that
+the guard does trip on the reference exchange.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.sparse_channels import SparseChannels
+from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
+from nanogpt_pl.model.embeddings import HashedNgramEmbedding
+from nanogpt_pl.optim.sparse_adam import SparseAdam
+
+ROWS, DIM, VOCAB, PLANES = 202, 8, 37, 2  # a small table and vocabulary: ranks share rows
+TOKENS, MICRO_PER_RANK, STEPS = 24, 2, 6
+EVENTS = (1, 4, 5)  # cycles of 2, 3 and 1 steps: queues of 4, 6 and 2 micro-batches per rank
+RESUME_AFTER = 2  # mid-cycle: the fixed copy restarts from the reference copy's checkpoint here
+CHECKS_AT_RESUME = 5
+WIRES = (None, torch.bfloat16)
+CHECKS_PER_MICRO = 10
+CHECKS_PER_EVENT = 13 + PLANES
+
+
+class Channels:
+    """One copy of the channels with its optimizer, built from the shared initial state."""
+
+    def __init__(self, exchange: str, wire: Optional[torch.dtype], group, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        table = torch.randn(ROWS, DIM, generator=gen)
+        planes = [torch.randn(VOCAB, DIM, generator=gen) for _ in range(PLANES)]
+        self.readout = torch.randn(DIM, 3, generator=gen)
+        self.shard = NgramShard(ROWS, DIM, process_group=group, grad_wire_dtype=wire, exchange=exchange)
+        with torch.no_grad():
+            own = table[self.shard.start : self.shard.start + self.shard.rows_per_rank]
+            self.shard.weight[: own.shape[0]] = own
+        self.planes = [torch.nn.Parameter(p) for p in planes]
+        self.ve = ValueEmbedShard(self.planes, process_group=group, grad_wire_dtype=wire, exchange=exchange)
+        self.channels = SparseChannels(self.shard, self.ve, fixed_shapes=exchange == "fixed")
+        self.opt = SparseAdam(self.channels.channels())
+        self.embed = HashedNgramEmbedding(DIM)
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        inputs = self.channels.inputs(ids, train=True)
+        ve = inputs["value_rows"]
+        x = self.embed(inputs["ngram"], torch.float32)
+        x = x + F.embedding(ve.index, ve.values[0]) * F.embedding(ve.index, ve.values[1])
+        loss = ((x @ self.readout - target) ** 2).mean()
+        loss.backward()
+        return loss.detach(), inputs
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failures: list[str] = []
+
+    def __call__(self, ok: bool, what: str) -> None:
+        if ok:
+            self.passed += 1
+        else:
+            self.failures.append(what)
+
+
+def compare(group, seed: int, wire: Optional[torch.dtype], check: Checker) -> None:
+    """Run both exchanges side by side on ``group`` and compare everything bit for bit."""
+    ref = Channels("reference", wire, group, seed)
+    fix = Channels("fixed", wire, group, seed)
+    world, rank = ref.shard.world, ref.shard.rank
+    where = f"world {world} rank {rank} wire {wire} seed {seed}"
+    for step in range(STEPS):
+        for i in range(MICRO_PER_RANK):
+            gen = torch.Generator().manual_seed(seed + 7919 * (1 + step * 64 + i * 8 + rank))
+            ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+            target = torch.randn(TOKENS, 3, generator=gen)
+            loss_r, a = ref.forward(ids, target)
+            loss_f, b = fix.forward(ids, target)
+            at = f"{where} step {step} micro {i}"
+            u, n = a["ngram"].rows.numel(), a["value_rows"].ids.numel()
+            check(torch.equal(b["ngram"].rows[:u], a["ngram"].rows), f"{at}: n-gram rows")
+            check(bool((b["ngram"].rows[u:] == fix.shard.exchange.sentinel).all()), f"{at}: n-gram padding ids")
+            check(torch.equal(b["ngram"].index, a["ngram"].index), f"{at}: n-gram index")
+            check(torch.equal(b["ngram"].values[:u], a["ngram"].values), f"{at}: pulled n-gram rows")
+            check(bool((b["ngram"].values[u:] == 0).all()), f"{at}: n-gram padding values")
+            check(torch.equal(b["value_rows"].index, a["value_rows"].index), f"{at}: value-embedding index")
+            check(torch.equal(b["value_rows"].values[:, :n], a["value_rows"].values), f"{at}: value-embedding rows")
+            check(torch.equal(loss_f, loss_r), f"{at}: loss")
+            check(torch.equal(b["ngram"].values.grad[:u], a["ngram"].values.grad), f"{at}: n-gram leaf gradient")
+            check(torch.equal(b["value_rows"].values.grad[:, :n], a["value_rows"].values.grad),
+                  f"{at}: value-embedding leaf gradient")
+            ref.channels.push_grads(a)
+            fix.channels.push_grads(b)
+        if step == RESUME_AFTER:
+            fix = resume(ref, fix, wire, group, seed, check, f"{where} resume after step {step}")
+        if step not in EVENTS:
+            continue
+        at = f"{where} event at step {step}"
+        rows_r, grads_r = ref.shard.merged_gradient()
+        rows_f, grads_f = fix.shard.merged_gradient()
+        u = rows_r.numel()
+        check(torch.equal(rows_f[:u], rows_r) and bool((rows_f[u:] == fix.shard.exchange.sentinel).all()),
+              f"{at}: merged n-gram rows")
+        check(torch.equal(grads_f[:u], grads_r), f"{at}: merged n-gram gradient")
+        ids_r, vgrads_r = ref.ve.merged_gradient()
+        ids_f, vgrads_f = fix.ve.merged_gradient()
+        n = ids_r.numel()
+        check(torch.equal(ids_f[:n], ids_r) and bool((ids_f[n:] == fix.ve.sentinel).all()),
+              f"{at}: merged value-embedding ids")
+        check(torch.equal(vgrads_f[:, :n], vgrads_r), f"{at}: merged value-embedding gradient")
+        local_r, sums_r = ref.shard.exchange.reduce_to_owners(rows_r, grads_r, wire)
+        local_f, sums_f = fix.shard.exchange.reduce_to_owners_fixed(rows_f, grads_f, wire)
+        k = local_r.numel()
+        check(torch.equal(local_f[:k], local_r) and bool((local_f[k:] == fix.shard.exchange.scratch).all()),
+              f"{at}: rows at the owner")
+        check(torch.equal(sums_f[:k], sums_r), f"{at}: gradient sums at the owner")
+        for c in (ref, fix):
+            for g in c.opt.param_groups:
+                g["lr"] = g["initial_lr"] * (1.0 - 0.05 * step)
+            c.opt.set_cadence_engaged(step >= 4)
+            c.opt.step()
+        check(torch.equal(fix.shard.weight, ref.shard.weight), f"{at}: updated n-gram rows")
+        check(torch.equal(fix.shard.adam.v, ref.shard.adam.v), f"{at}: row second moments")
+        check(torch.equal(fix.shard.adam.last_event, ref.shard.adam.last_event), f"{at}: row last events")
+        check(not torch.equal(ref.shard.weight, Channels("reference", wire, group, seed).shard.weight),
+              f"{at}: the table moved")
+        for p, q in zip(fix.planes, ref.planes):
+            check(torch.equal(p, q), f"{at}: updated value-embedding plane")
+        check(torch.equal(fix.ve.adam.exp_avg, ref.ve.adam.exp_avg), f"{at}: value-embedding exp_avg")
+        check(torch.equal(fix.ve.adam.exp_avg_sq, ref.ve.adam.exp_avg_sq), f"{at}: value-embedding exp_avg_sq")
+        check(fix.shard.pending_rows() == 0 and ref.shard.pending_rows() == 0, f"{at}: queues consumed")
+
+
+def resume(ref: Channels, fix: Channels, wire, group, seed: int, check: Checker, at: str) -> Channels:
+    """Both checkpoints must match; then a fresh fixed copy loads the reference copy's checkpoint.
+
+    The pending rows differ in number across ranks, so loading must pad them to a common
+    length for the fixed exchange.
+    """
+    want, got = ref.channels.state_dict(), fix.channels.state_dict()
+    check(torch.equal(got["ngram"]["pending_rows"], want["ngram"]["pending_rows"]), f"{at}: pending n-gram rows")
+    check(torch.equal(got["ngram"]["pending_grad"], want["ngram"]["pending_grad"]), f"{at}: pending n-gram grad")
+    check(torch.equal(got["value_embeds"]["pending_ids"], want["value_embeds"]["pending_ids"]), f"{at}: pending ids")
+    check(torch.equal(got["value_embeds"]["pending_grad"], want["value_embeds"]["pending_grad"]),
+          f"{at}: pending value-embedding grad")
+    check(torch.equal(got["value_embeds"]["exp_avg"], want["value_embeds"]["exp_avg"]), f"{at}: exp_avg")
+    fresh = Channels("fixed", wire, group, seed)
+    with torch.no_grad():
+        for p, q in zip(fresh.planes, ref.planes):
+            p.copy_(q)
+    fresh.channels.load_state_dict(copy.deepcopy(want))
+    fresh.opt.load_state_dict(ref.opt.state_dict())
+    return fresh
+
+
+def expected_checks() -> int:
+    per_wire = STEPS * MICRO_PER_RANK * CHECKS_PER_MICRO + len(EVENTS) * CHECKS_PER_EVENT + CHECKS_AT_RESUME
+    return len(WIRES) * per_wire
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compare_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> None:
+    """World 8 on the default group, and world-4 and world-2 runs on rank blocks (one spawn)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        groups = {size: [dist.new_group(list(range(b, b + size))) for b in range(0, world, size)]
+                  for size in (2, 4)}
+        out = {}
+        for size in (2, 4, world):
+            group = None if size == world else groups[size][rank // size]
+            check = Checker()
+            for wire in WIRES:
+                compare(group, seed + size, wire, check)
+            out[size] = (check.passed, check.failures)
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(3), "little")
+
+
+def test_fixed_exchange_equals_the_reference_in_one_process() -> None:
+    seed = fresh_seed()
+    check = Checker()
+    for wire in WIRES:
+        compare(None, seed, wire, check)
+    assert not check.failures, check.failures[:5]
+    assert check.passed == expected_checks(), f"seed {seed}"
+
+
+@pytest.mark.slow
+def test_fixed_exchange_equals_the_reference_at_2_4_8_ranks(tmp_path: Path) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    seed = fresh_seed()
+    mp.spawn(_compare_worker, args=(8, _free_port(), str(tmp_path), seed), nprocs=8, join=True)
+    for rank in range(8):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for world in (2, 4, 8):
+            passed, failures = out[world]
+            assert not failures, (seed, failures[:5])
+            assert passed == expected_checks(), (seed, world, rank, passed)
+
+
+# -- no host sync ----------------------------------------------------------------------
+class HostSync(RuntimeError):
+    pass
+
+
+def _is_bool_index(args) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten(args[1:])[0])
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op and call that needs device data on the host.
+
+    Ops: reading a scalar (``_local_scalar_dense``: ``.item()``, ``int(t)``), outputs sized
+    by data (``unique``, ``nonzero``, ``masked_select``, boolean-mask indexing,
+    ``repeat_interleave`` by a tensor), copies to the CPU of a non-CPU tensor, tensors made
+    from host data (``torch.tensor``: a blocking copy from pageable memory on CUDA). Python
+    calls: ``Tensor.item/tolist/numpy/cpu/__bool__/__int__/__float__`` and ``all_to_all``
+    with split sizes (sizes the host must have read).
+    """
+
+    # lift_fresh: a tensor built from host data (torch.tensor), on CUDA a synchronizing copy from pageable memory
+    BANNED = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "repeat_interleave.Tensor", "lift_fresh")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__) + "." + func._overloadname
+        if any(b in name for b in self.BANNED):
+            raise HostSync(f"{name} needs device data on the host")
+        if func.overloadpacket.__name__ in ("index", "index_put", "index_put_") and _is_bool_index(args):
+            raise HostSync(f"{name} with a boolean mask has a data-dependent size")
+        to = (kwargs or {}).get("device")
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name.startswith("_to_copy") and to is not None and torch.device(to).type == "cpu" and src is not None \
+                and src.device.type != "cpu":
+            raise HostSync(f"{name} copies a {src.device.type} tensor to the host")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._saved = {}
+
+        def banned(what):
+            def raise_(*a, **k):
+                raise HostSync(f"Tensor.{what} reads device data on the host")
+            return raise_
+
+        for what in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"):
+            self._saved[what] = getattr(torch.Tensor, what)
+            setattr(torch.Tensor, what, banned(what))
+        self._a2a = dist.all_to_all_single
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+            if output_split_sizes is not None or input_split_sizes is not None:
+                raise HostSync("all_to_all_single with split sizes read on the host")
+            return self._a2a(output, input, **kw)
+
+        dist.all_to_all_single = all_to_all_single
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for what, fn in self._saved.items():
+            setattr(torch.Tensor, what, fn)
+        dist.all_to_all_single = self._a2a
+        return super().__exit__(*exc)
+
+
+def guarded_steps(exchange: str, group, seed: int) -> None:
+    """Two steps with an event, every exchange call under :class:`NoHostSync` (the model's math outside)."""
+    c = Channels(exchange, None, group, seed)
+    rank = c.shard.rank
+    for step in range(2):
+        gen = torch.Generator().manual_seed(seed + 31 * (step + 2 * rank))
+        ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+        target = torch.randn(TOKENS, 3, generator=gen)
+        with NoHostSync():
+            inputs = c.channels.inputs(ids, train=True)
+        ve = inputs["value_rows"]
+        x = c.embed(inputs["ngram"], torch.float32)
+        x = x + F.embedding(ve.index, ve.values[0]) * F.embedding(ve.index, ve.values[1])
+        ((x @ c.readout - target) ** 2).mean().backward()
+        with NoHostSync():
+            c.channels.push_grads(inputs)
+    with NoHostSync():
+        c.opt.step()
+    assert c.ve.step_count == 1 and c.shard.adam.event == 1
+
+
+def _sync_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = {}
+    try:
+        guarded_steps("fixed", None, seed)
+        result["fixed"] = "ok"
+        try:
+            guarded_steps("reference", None, seed)
+            result["reference"] = "no sync seen"
+        except HostSync as e:
+            result["reference"] = f"caught: {e}"
+            dist.barrier()  # the peer may be waiting in a collective the caught rank skipped
+    finally:
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def test_guard_catches_host_reads() -> None:
+    t = torch.arange(3)
+    for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t[0]), lambda: torch.unique(t),
+                 lambda: t[t > 0], lambda: t.nonzero(), lambda: torch.tensor([1, 2])):
+        with pytest.raises(HostSync), NoHostSync():
+            read()
+    assert t.sum().item() == 3  # everything restored
+
+
+def test_fixed_exchange_makes_no_host_sync_in_one_process() -> None:
+    seed = fresh_seed()
+    guarded_steps("fixed", None, seed)
+    with pytest.raises(HostSync):
+        guarded_steps("reference", None, seed)
+
+
+@pytest.mark.slow
+def test_fixed_exchange_makes_no_host_sync_at_2_ranks(tmp_path: Path) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_sync_worker, args=(2, _free_port(), str(tmp_path), fresh_seed()), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["fixed"] == "ok"
+        assert result["reference"].startswith("caught"), result
