@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
 from nanogpt_pl.ops.fp8 import Fp8Head, Fp8MLPState, fp8_mlp  # noqa: E402
 from nanogpt_pl.ops.lm_head import TorchHeadMatmul  # noqa: E402
+from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize  # noqa: E402
+from nanogpt_pl.ops.triton.fp8_quant import quantize_dual  # noqa: E402
 
 N_TOKENS = 49152  # RECORD §9: stage-2 tokens per rank per step
 DIM = 768  # RECORD §2
@@ -338,6 +340,45 @@ def head_loss_rows(table: Table, n: int, warmup: int, iters: int) -> None:
             table.add(f"lm_head + loss, {label}", "Fp8Head", None, None, "-", base_ms, f"failed: {type(e).__name__}")
 
 
+def tile_sweep(n: int, warmup: int, iters: int) -> None:
+    """Time the elementwise FP8 passes at several tile shapes, checking each transposed copy's bytes.
+
+    The tiles the kernels use (``_GPU_TILE``, ``_DPRE_TILE`` in ``ops/triton/fp8_mlp.py`` and
+    ``fp8_quant.py``) were picked from this table; "t == row.T" says whether the kernel's own
+    transposed copy matches the row-major one byte for byte (the dpre rows include the separate
+    byte transpose, ``transpose_bytes``).
+    """
+    def same_t(t: torch.Tensor, row: torch.Tensor) -> bool:
+        return bool((t.view(torch.uint8) == row.t().contiguous().view(torch.uint8)).all())
+
+    def ms(fn: Callable[[], object]) -> float:
+        return time_cuda(fn, warmup, iters).median_ms
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    one, amax, gscale = (torch.ones(1, device=dev), torch.zeros(1, device=dev), torch.tensor([64.0], device=dev))
+    print(f"tile sweep: {n} rows; median ms of {iters} after {warmup}")
+    pre = torch.randn(n, HIDDEN, device=dev, generator=g).bfloat16()
+    for block in ((128, 128), (64, 128), (128, 64), (64, 64), (32, 128), (32, 64)):
+        row, t = relu2_quantize(pre, one, amax, block=block)
+        print(f"  relu2 {HIDDEN} wide {block}: {ms(lambda: relu2_quantize(pre, one, amax, block=block)):.3f} ms, "
+              f"t == row.T {same_t(t, row)}")
+    dpl = (torch.randn(n, HIDDEN, device=dev, generator=g) * 1e-2).bfloat16()
+    post = (torch.rand(n, HIDDEN, device=dev, generator=g) * 100).to(torch.float8_e4m3fn)
+    for block in ((128, 128), (32, 128), (64, 64), (16, 256), (32, 256)):
+        row, t = dpre_quantize(dpl, post, one, gscale, amax, block=block)
+        print(f"  dpre {HIDDEN} wide {block}: "
+              f"{ms(lambda: dpre_quantize(dpl, post, one, gscale, amax, block=block)):.3f} ms, "
+              f"t == row.T {same_t(t, row)}")
+    x = F.rms_norm(torch.randn(n, DIM, device=dev, generator=g), (DIM,)).bfloat16()
+    inv = torch.tensor([16.0], device=dev)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for block in ((128, 128), (64, 128), (64, 64), (32, 128)):
+            row, t, _ = quantize_dual(x, inv, dtype, block=block)
+            print(f"  quantize_dual {DIM} wide {str(dtype)[6:]} {block}: "
+                  f"{ms(lambda: quantize_dual(x, inv, dtype, block=block)):.3f} ms, t == row.T {same_t(t, row)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -347,6 +388,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of each MLP variant")
     ap.add_argument("--graph", action="store_true",
                     help="also time the MLP rows as CUDA-graph replays (GPU time without the host's share)")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="only time the FP8 elementwise passes at several tile shapes (and check their transposes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fp8_mlp.py needs a CUDA GPU (FP8 GEMMs: compute capability >= 8.9)")
@@ -360,6 +403,9 @@ def main() -> None:
           f"torch {torch.__version__}, triton {triton.__version__}")
     print(f"MLP: {args.tokens} x {DIM} -> {HIDDEN} -> {DIM}; lm_head: {args.tokens} x {DIM} -> {VOCAB}; "
           f"forward + backward; median of {iters} after {warmup} warmup\n")
+    if args.tile_sweep:
+        tile_sweep(args.tokens, warmup, iters)
+        return
     torch.backends.cuda.matmul.allow_tf32 = True
     table = Table()
     sections = [lambda: mlp_rows(table, args.tokens, warmup, iters, args.compile, args.profile, args.graph)]

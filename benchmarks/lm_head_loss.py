@@ -35,8 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB, TOKENIZER_VOCAB  # noqa: E402
 from nanogpt_pl.ops.cross_entropy import lm_head_loss, softcap  # noqa: E402
-from nanogpt_pl.ops.lm_head import VOCAB_SIZE, default_chunk_rows  # noqa: E402
+from nanogpt_pl.ops.lm_head import default_chunk_rows  # noqa: E402
 from nanogpt_pl.ops.sampling import CandidateSampler  # noqa: E402
 
 N_TOKENS = 49152  # RECORD §9: stage-2 tokens per rank per step
@@ -48,8 +49,8 @@ ZIPF_EXPONENT = 1.1  # text-like target frequencies: ~6-7k distinct ids per 49,1
 
 def zipf_targets(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, 50257 + 1) ** ZIPF_EXPONENT
-    return rng.choice(50257, size=n, p=p / p.sum())
+    p = 1.0 / np.arange(1, TOKENIZER_VOCAB + 1) ** ZIPF_EXPONENT
+    return rng.choice(TOKENIZER_VOCAB, size=n, p=p / p.sum())
 
 
 def measure(step: Callable[[], None], params: list[torch.Tensor], warmup: int, iters: int):
@@ -87,10 +88,10 @@ def main() -> None:
     torch.manual_seed(0)
     n = args.tokens
     x = torch.randn(n, DIM, device=dev).bfloat16().requires_grad_()
-    w = (torch.randn(VOCAB_SIZE, DIM, device=dev) * LM_HEAD_STD).bfloat16().requires_grad_()
+    w = (torch.randn(PADDED_VOCAB, DIM, device=dev) * LM_HEAD_STD).bfloat16().requires_grad_()
     t_cpu = torch.from_numpy(zipf_targets(n))
     t = t_cpu.to(dev)
-    table = torch.randint(-1, 50257, (VOCAB_SIZE,), device=dev)  # stand-in prefix table
+    table = torch.randint(-1, TOKENIZER_VOCAB, (PADDED_VOCAB,), device=dev)  # stand-in prefix table
     pf = table[t]
 
     sampler = CandidateSampler()
@@ -105,8 +106,8 @@ def main() -> None:
         return lambda: lm_head_loss(x, w, t, candidates=c, backend="triton", **kw)
 
     rows: list[tuple[str, Callable[[], torch.Tensor], int]] = [
-        ("torch full (bf16 mm + F.cross_entropy fp32)", lambda: torch_full(x, w, t), VOCAB_SIZE),
-        ("ours fused full", fused(), VOCAB_SIZE),
+        ("torch full (bf16 mm + F.cross_entropy fp32)", lambda: torch_full(x, w, t), PADDED_VOCAB),
+        ("ours fused full", fused(), PADDED_VOCAB),
     ]
     rows += [(f"ours sampled P={p}", fused(p), p) for p in RECORD_P]
     rows.append(("ours sampled P=10240 + 3 MTP + prefix", fused(10240, mtp_weights=(1.0, 0.5, 0.25),
@@ -114,7 +115,7 @@ def main() -> None:
     lig = liger_step(x, w, t)
     liger_note = "liger-kernel not installed: row skipped" if lig is None else None
     if lig is not None:
-        rows.append(("liger fused linear CE (tanh cap 15, peer)", lig, VOCAB_SIZE))
+        rows.append(("liger fused linear CE (tanh cap 15, peer)", lig, PADDED_VOCAB))
 
     def run(fn):
         def step():
@@ -124,12 +125,12 @@ def main() -> None:
     props = torch.cuda.get_device_properties(dev)
     import triton
 
-    print(f"lm_head + loss forward+backward: {n} tokens x {DIM} -> {VOCAB_SIZE} classes, bf16")
+    print(f"lm_head + loss forward+backward: {n} tokens x {DIM} -> {PADDED_VOCAB} classes, bf16")
     print(f"device: {props.name} ({props.total_memory / 2**30:.0f} GiB); torch {torch.__version__}, "
           f"triton {triton.__version__}; median of {iters} after {warmup} warmup")
     print(f"targets: Zipf({ZIPF_EXPONENT}) over 50,257 ids, {unique} distinct; candidate build on the "
           f"host: {build_ms:.2f} ms per call")
-    print(f"fused chunk rows: full {default_chunk_rows(n, VOCAB_SIZE)}, "
+    print(f"fused chunk rows: full {default_chunk_rows(n, PADDED_VOCAB)}, "
           + ", ".join(f"P={p}: {default_chunk_rows(n, p)}" for p in RECORD_P))
     print()
     hdr = f"{'path':<46} {'ms':>8} {'GEMM TFLOP/s':>13} {'peak GiB':>9} {'speedup':>8} {'mem ratio':>10}"
@@ -172,7 +173,7 @@ def main() -> None:
                 c = None if p is None else cands[p]
                 fn = lambda: lm_head_loss(x, w, t, candidates=c, backend="triton", chunk_rows=rows_per)  # noqa: E731
                 ms, peak = measure(run(fn), [x, w], 1, max(3, iters // 3))
-                print(f"{p or VOCAB_SIZE:>7} {rows_per:>11} {ms:>8.2f} {peak / 2**30:>9.2f}")
+                print(f"{p or PADDED_VOCAB:>7} {rows_per:>11} {ms:>8.2f} {peak / 2**30:>9.2f}")
 
     if args.block_sweep:
         block_sweep(n, iters)
@@ -188,7 +189,7 @@ def block_sweep(n: int, iters: int) -> None:
     print()
     print(f"row kernel alone: {rows} rows, bf16 logits, gradient in place")
     print(f"{'P':>7} {'block':>6} {'warps':>6} {'ms':>8} {'GB/s':>8}")
-    for p in (VOCAB_SIZE, 10240):
+    for p in (PADDED_VOCAB, 10240):
         logits = (torch.randn(rows, p, device="cuda") * 3).bfloat16()
         tpos = torch.randint(0, p, (rows, 4), device="cuda", dtype=torch.int32)
         tw = torch.tensor([1.0, 0.5, 0.25, 0.25], device="cuda")

@@ -48,6 +48,7 @@ from nanogpt_pl.model.gpt import GPT, GPTConfig  # noqa: E402
 from nanogpt_pl.ops.cross_entropy import full_cross_entropy, lm_head_loss  # noqa: E402
 from nanogpt_pl.optim.adam import DistAdam  # noqa: E402
 from nanogpt_pl.optim.anvil import ENGAGE_STEP, Anvil  # noqa: E402
+from nanogpt_pl.optim.groups import anvil_group  # noqa: E402
 from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
 
 BOS = 50256  # GPT-2's <|endoftext|>, the document separator of the shards (RECORD §1)
@@ -144,15 +145,13 @@ class MuonOn2D:
     update lands in the model; their gradients are views of the model gradient.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], lr: float) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, blocks: list[tuple[int, int]]) -> None:
         self.pairs: list[tuple[torch.nn.Parameter, list[torch.nn.Parameter]]] = []
         flat: list[torch.nn.Parameter] = []
-        for p in params:
-            block = getattr(p, "anvil_block", None)
-            if p.dim() == 2 and block is None:
+        for p, (rows, cols) in zip(params, blocks):
+            if p.dim() == 2 and (rows, cols) == tuple(p.shape):
                 flat.append(p)
                 continue
-            rows, cols = block if block is not None else p.shape[-2:]
             views = [torch.nn.Parameter(m) for m in p.data.view(-1, rows, cols)]
             assert all(v.data_ptr() == m.data_ptr() for v, m in zip(views, p.data.view(-1, rows, cols)))
             self.pairs.append((p, views))
@@ -174,13 +173,14 @@ class MuonOn2D:
 
 
 def matrix_optimizer(kind: str, model: GPT, lr: float, args: argparse.Namespace, engage: int):
-    mats = model.param_roles()["matrices"]
+    group = anvil_group(model, model.cfg.head_dim)  # block shapes and lr multipliers by name
+    mats = group["params"]
     if kind == "anvil":
-        return Anvil(mats, lr=lr, weight_decay=args.anvil_wd, engage_step=engage)
+        return Anvil([group], lr=lr, weight_decay=args.anvil_wd, engage_step=engage)
     if kind == "muon":
         if not hasattr(torch.optim, "Muon"):
             return None
-        return MuonOn2D(mats, lr=lr)
+        return MuonOn2D(mats, lr=lr, blocks=group["blocks"])
     if kind == "adamw":
         return DistAdam(mats, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     raise ValueError(kind)

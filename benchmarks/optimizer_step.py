@@ -148,11 +148,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True), params
 
         # (label, backend, compile, cuda_graph); the first is what Anvil() does by default
-        variants = [("default (torch cascade, CUDA graph)", "auto", None, None),
-                    ("torch cascade, eager", "torch", False, False),
+        variants = [("default (reference cascade, CUDA graph)", "auto", None, None),
+                    ("reference cascade, eager", "reference", False, False),
                     ("triton cascade, CUDA graph", "triton", False, True),
                     ("triton cascade, eager", "triton", False, False),
-                    ("torch cascade + compile, eager", "torch", True, False)]
+                    ("reference cascade + compile, eager", "reference", True, False)]
         if args.quick:  # compiled variants cost compile time
             variants = variants[:3]
         scoped = [optimizer_row(f"{scope}: ANVIL {label}", anvil(backend, comp, graph), warmup, steps, True)
@@ -170,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cascade = []
     for shape in ((42, QK_BLOCK, DIM), (14, DIM, DIM), (22, HIDDEN, DIM), (6, QK_BLOCK, DIM), (3, HIDDEN, DIM)):
         t = cascade_row(f"cascade {shape[0]}x{shape[1]}x{shape[2]}: triton", shape, "triton", warmup, steps)
-        r = cascade_row(f"cascade {shape[0]}x{shape[1]}x{shape[2]}: torch", shape, "torch", warmup, steps)
+        r = cascade_row(f"cascade {shape[0]}x{shape[1]}x{shape[2]}: reference", shape, "reference", warmup, steps)
         t["vs_torch"] = t["median"] / r["median"]
         r["vs_torch"] = 1.0
         cascade += [t, r]

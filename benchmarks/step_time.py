@@ -5,9 +5,9 @@ for ``--warmup`` untimed steps then ``--steps`` timed steps, at one stage of the
 config's schedule (its batch shape, windows and candidate count held fixed):
 
 - **lightning**: ``Trainer.fit`` with the config's module and data module (loggers,
-  checkpoints, validation and the config's callbacks off; the schedule callback on);
+  checkpoints, validation and the config's callbacks off; the module applies the schedule);
 - **plain**: a hand-written loop: ``next(stream)``, host-side candidate sets, copy to the
-  device, ``apply_schedule``, forward/backward/optimizer step through the same module
+  device, ``SpeedrunModule.apply_schedule``, forward/backward/optimizer step through the same module
   methods, no Trainer.
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
@@ -40,14 +40,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
-from callbacks.schedule import apply_schedule  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
+from nanogpt_pl.config_files import load_config  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, vendor datasheet
 
@@ -85,7 +84,7 @@ class _Clock(L.Callback):
 
 
 def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str]) -> tuple[list[str], dict]:
-    cfg = yaml.safe_load(Path(config).read_text())
+    cfg = load_config(config)
     sched = dict(cfg.get("schedule") or {})
     stages = sched.get("stages")
     if not stages:
@@ -172,7 +171,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                 cprof.enable()
         batch = module.prepare_batch(next(it), step)
         batch = module.transfer_batch_to_device(batch, device, 0)
-        apply_schedule(module, step)
+        module.apply_schedule(step)
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0
@@ -231,7 +230,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
-    cfg = yaml.safe_load(Path(a.config).read_text())
+    cfg = load_config(a.config)
     train_glob = (cfg.get("data") or {}).get("train_files")
     corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
     total = a.warmup + a.steps

@@ -1,10 +1,10 @@
-"""Tail averaging and the terminal "ships" (RECORD.md §10).
+"""Tail averaging and the terminal "ships" (RECORD.md §10): the callback that ticks them.
 
 Over the last few hundred steps the record keeps several running averages of the
 weights, each on its own cadence, and just before the final validation blends them
 into the live weights ("ships"), then rescales the shipped matrices back to their
-pre-ship Frobenius norms ("decontraction"). Each :class:`TailTrack` is one such
-accumulator:
+pre-ship Frobenius norms ("decontraction"). Each :class:`TailTrack`
+(``nanogpt_pl.averaging``, with the table and the ship itself) is one such accumulator:
 
 - it is seeded (a copy) at its first tick, then ticks ``E ← E + rate·(θ − E)`` on steps
   where ``step % every == phase`` (plus the last ``extra_last`` steps), from the window
@@ -24,60 +24,15 @@ Parameter families are the model's roles: ``embed``, ``lm_head``, ``value_embeds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning as L
 import torch
 from torch import Tensor
 
+from nanogpt_pl.averaging import DECONTRACT_FAMILIES, TailTrack, family_params, record_tracks, ship_tail
 
-def _norm(params: list[Tensor]) -> float:
-    return float(torch.sqrt(sum(p.detach().float().square().sum() for p in params)))
-
-
-@dataclass
-class TailTrack:
-    """One tail accumulator and its ship.
-
-    Args:
-        name: label used in checkpoints and logs.
-        params: parameter families it averages (keys of ``GPT.param_families()``).
-        window: ticks start at ``total_steps − window``.
-        every: tick cadence.
-        phase: ticks where ``step % every == phase``.
-        rate: E ← E + rate·(θ − E) at each tick after the seed.
-        last_rate: rate used at the final step, if different.
-        extra_last: also tick on the last this-many steps whatever the cadence.
-        seed_at_start: seed at the window start even off-cadence (the record's TailEMA).
-        blend: ship θ ← θ + blend·(E − θ).
-        decontract: after all ships, rescale these families to their pre-ship norms.
-    """
-
-    name: str
-    params: list[str]
-    window: int
-    every: int = 1
-    phase: int = 0
-    rate: float = 0.01
-    last_rate: Optional[float] = None
-    extra_last: int = 0
-    seed_at_start: bool = False
-    blend: float = 1.0
-
-
-def record_tracks() -> list[TailTrack]:
-    """RECORD §10's table."""
-    ema_rate = 1 - (1 - 2 / 299) ** 2  # 2/299 per step, ticked on odd steps only (Adam cadence)
-    return [
-        TailTrack("tail_ema", ["embed", "lm_head"], window=298, every=2, phase=1, rate=ema_rate,
-                  last_rate=2 / 299, seed_at_start=True, blend=0.65),
-        TailTrack("tail_avg", ["vo", "mlp"], window=250, every=4, phase=1, rate=4 / 53, blend=1.0),
-        TailTrack("value_embed_ship", ["value_embeds"], window=250, every=4, phase=3, rate=4 / 53, blend=1.0),
-        TailTrack("bank_blend_qk", ["qk"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2, blend=0.55),
-        TailTrack("bank_blend_vo_mlp", ["vo", "mlp"], window=298, every=4, phase=1, rate=2 / 75, extra_last=2,
-                  blend=0.55 - 0.2007),
-    ]
+__all__ = ["TailAveraging", "TailTrack", "record_tracks"]
 
 
 class TailAveraging(L.Callback):
@@ -90,26 +45,14 @@ class TailAveraging(L.Callback):
 
     def __init__(self, tracks: Optional[list[TailTrack]] = None, decontract: Optional[list[str]] = None) -> None:
         self.tracks = record_tracks() if tracks is None else list(tracks)
-        self.decontract = ["embed", "lm_head", "mlp", "qk", "vo"] if decontract is None else list(decontract)
+        self.decontract = list(DECONTRACT_FAMILIES) if decontract is None else list(decontract)
         self._acc: dict[str, list[Tensor]] = {}
         self.shipped = False
+        self._pending: Optional[dict[str, Any]] = None  # a checkpoint's state, applied at train start
 
     # -- helpers ---------------------------------------------------------------------
-    @staticmethod
-    def _params(pl_module: L.LightningModule, families: list[str]) -> list[Tensor]:
-        roles = pl_module.model.param_families()
-        out = []
-        for fam in families:
-            if fam not in roles:
-                raise KeyError(f"TailTrack parameter family {fam!r} is not one of {sorted(roles)}")
-            out += roles[fam]
-        return out
-
     def _last_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
-        last = pl_module.schedule.total_steps
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            last = min(last, trainer.max_steps)
-        return last - 1
+        return pl_module.schedule.run_steps(trainer.max_steps) - 1
 
     def ticks(self, track: TailTrack, step: int, last: int) -> tuple[bool, bool]:
         """(ticks at ``step``, this tick is the seed) for a run whose final step is ``last``."""
@@ -132,7 +75,7 @@ class TailAveraging(L.Callback):
             fires, seed = self.ticks(track, step, last)
             if not fires:
                 continue
-            params = self._params(pl_module, track.params)
+            params = family_params(pl_module.model, track.params)
             if seed:
                 self._acc[track.name] = [p.detach().float().clone() for p in params]
             else:
@@ -142,23 +85,9 @@ class TailAveraging(L.Callback):
         if step == last and not self.shipped:
             self.ship(pl_module)
 
-    @torch.no_grad()
     def ship(self, pl_module: L.LightningModule) -> None:
         """Blend every accumulator into the weights, then decontract (RECORD §10 order)."""
-        # decontraction works per family, over the whole bank (RECORD §10: "the whole tensor")
-        families = {fam: self._params(pl_module, [fam]) for fam in self.decontract}
-        ref = {fam: _norm(ps) for fam, ps in families.items()}
-        for track in self.tracks:
-            acc = self._acc.get(track.name)
-            if acc is None:
-                continue
-            for e, p in zip(acc, self._params(pl_module, track.params)):
-                p.copy_(p.float().lerp(e, track.blend))
-        for fam, ps in families.items():
-            now = _norm(ps)
-            if now > 0:
-                for p in ps:
-                    p.mul_(ref[fam] / now)
+        ship_tail(pl_module.model, self.tracks, self._acc, self.decontract)
         self.shipped = True
 
     # -- checkpoint ------------------------------------------------------------------
@@ -169,7 +98,7 @@ class TailAveraging(L.Callback):
         self._pending = state_dict
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pending = getattr(self, "_pending", None)
+        pending = self._pending
         if pending is not None:
             device = pl_module.device
             self._acc = {k: [t.to(device) for t in v] for k, v in pending["acc"].items()}

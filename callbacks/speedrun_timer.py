@@ -24,38 +24,43 @@ import torch
 
 from nanogpt_pl.capture import FrozenGC, schedule_key
 
-from .schedule import apply_schedule
-
 RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 
 
-def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
-    """Steps whose shapes and settings cover the whole run, in schedule order.
+WARMUP_PREFIX = 8  # RECORD §11: the steps 0..7 are visited last
+UNTIE_FOLLOW_STEPS = 3  # RECORD §11: the 3 steps after the untie (1176–1178)
 
-    Steps 0 and 1, the two steps on each side of every stage boundary, four steps from each
-    optimizer event (ANVIL's engage step, the sparse cadence start, the untie), and the first
-    two steps of every new configuration (``nanogpt_pl.capture.schedule_key``: batch shape,
-    document cap, windows, candidates, MTP length, prefix weight), so each CUDA-graph key gets
-    its two untimed visits (capture, self-check); at most ``limit`` steps (RECORD §11 visits
-    37 of a budget of 40).
+
+def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
+    """The untimed warmup steps, chosen as the record chooses them (RECORD §11).
+
+    A configuration key is ``nanogpt_pl.capture.schedule_key`` (batch, sequence length, max
+    document length, attention split, windows, candidate count, number of MTP weights, prefix
+    weight): a CUDA graph's key, so each key's first two steps give it its two untimed visits
+    (capture, self-check). Sampled: steps 0 and 1; the 4 steps s−2..s+1 around every stage
+    boundary and every change of the candidate count; the 3 steps after the untie; each key's
+    first step and the one after. The prefix 0..7 comes last. On the record's schedule this is
+    29 sampled steps plus the prefix, 37 in all (budget 40). At most ``limit`` steps: sampled
+    ones are dropped from the end first.
     """
     total = schedule.total_steps
-    steps = {0, 1}
-    for i in range(1, len(schedule.stages)):
-        b = schedule.stage_start(i)
-        steps.update(range(max(0, b - 2), min(total, b + 2)))
-    # optimizer-side events: the slow-rail engage, the 4-step sparse cadence, the untie
-    events = [schedule.anvil_engage_step, schedule.sparse_cadence_start, schedule.untie_step]
-    for e in events:
-        if e is not None and 0 < e < total:
-            steps.update(range(e, min(total, e + 4)))
-    seen = set()
-    for s in range(total):
-        key = schedule_key(schedule, s)
-        if key not in seen:
-            seen.add(key)
-            steps.update(x for x in (s, s + 1) if x < total)
-    return sorted(steps)[:limit]
+
+    def key(s: int) -> tuple:
+        return schedule_key(schedule, s)
+
+    firsts = [s for s in range(total) if s == 0 or key(s) != key(s - 1)]
+    boundaries = {schedule.stage_start(i) for i in range(1, len(schedule.stages))}
+    boundaries |= {s for s in firsts if s > 0 and schedule.candidates(s) != schedule.candidates(s - 1)}
+    sampled = {0, 1}
+    for b in boundaries:
+        sampled.update(range(b - 2, b + 2))
+    for s in firsts:
+        sampled.update((s, s + 1))
+    if schedule.untie_step is not None:
+        sampled.update(range(schedule.untie_step + 1, schedule.untie_step + 1 + UNTIE_FOLLOW_STEPS))
+    prefix = list(range(min(WARMUP_PREFIX, total)))
+    sampled = sorted(s for s in sampled if 0 <= s < total and s not in prefix)
+    return sampled[:max(0, limit - len(prefix))] + prefix[:limit]
 
 
 class SpeedrunTimer(L.Callback):
@@ -81,6 +86,11 @@ class SpeedrunTimer(L.Callback):
         self.reached = False
         self._gc = FrozenGC()  # RECORD §11: no garbage collection while the clock runs
 
+    @property
+    def clock_running(self) -> bool:
+        """Whether timed training is in progress (callbacks that cost time stay out of it)."""
+        return self._t0 is not None
+
     @staticmethod
     def _sync(pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -93,6 +103,9 @@ class SpeedrunTimer(L.Callback):
     def run_warmup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[int]:
         steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit)
                  if self.warmup_steps is None else list(self.warmup_steps))
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            # a run shortened with trainer.max_steps has no data planned past it
+            steps = [s for s in steps if s < trainer.max_steps]
         if not steps:
             return []
         start = time.perf_counter()
@@ -101,12 +114,12 @@ class SpeedrunTimer(L.Callback):
         for step in steps:
             batch = pl_module.prepare_batch(trainer.datamodule.batch_at(step), step)
             batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-            apply_schedule(pl_module, step, previous_step=previous)
+            pl_module.apply_schedule(step, previous_step=previous)
             pl_module.run_step(batch)
             previous = step
         self._sync(pl_module)
         pl_module.restore_state(snapshot)
-        apply_schedule(pl_module, trainer.global_step)
+        pl_module.apply_schedule(trainer.global_step)
         for cb in self._stateful_callbacks(trainer):
             cb.reset()
         self._sync(pl_module)

@@ -1,7 +1,8 @@
 """SpeedrunModule: the GPT, its loss and its optimizers under manual optimization.
 
-One training step (``shared/DESIGN.md`` "Data flow"): the schedule callback has set
-this step's lr, momentum, windows, loss options and which optimizer parts update;
+One training step (``shared/DESIGN.md`` "Data flow"): ``on_train_batch_start`` has set
+this step's lr, momentum, windows, loss options and which optimizer parts update from the
+schedule (``apply_schedule``);
 ``training_step`` runs forward and backward over the step's micro-batches (gradient
 accumulation when the batch does not fit one pass per rank), then steps the
 :class:`~nanogpt_pl.optim.combined.CombinedOptimizer`, whose parts communicate their
@@ -9,11 +10,12 @@ own gradients (there is no DDP wrapper). Validation is always the full-vocabular
 softcapped cross-entropy.
 
 Callbacks change behaviour over time only through the small public hooks in the
-"schedule hooks" section below.
+"schedule hooks" section below (the speedrun timer's warmup replays schedule steps with them).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,16 +23,30 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .backends import Backends
 from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
+from .data.tokenizer import build_prefix_table
 from .distributed.side_files import RANK_LOCAL_KEY
 from .distributed.sparse_channels import SparseChannels, build_sparse_channels
+from .distributed.strategy import SpeedrunStrategy
+from .metrics import BitsPerByte, MeanTokenLoss
+from .model.attention import resolve_backend
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
+from .ops.triton import interpret_mode
 from .optim.adam import DistAdam
+from .optim.anvil import Anvil
 from .optim.combined import CombinedOptimizer
+from .optim.groups import adam_families, anvil_group
 from .optim.sparse_adam import SparseAdam
 from .schedule import Schedule
+
+
+def micro_batches(batch: Any) -> list[dict[str, Any]]:
+    """A training step's batch as its list of micro-batches (the data module yields a list; a single
+    micro-batch may also come as a bare dict)."""
+    return batch if isinstance(batch, list) else [batch]
 
 
 @dataclass
@@ -70,11 +86,19 @@ class OptimConfig:
         embed: settings of the token embedding.
         lm_head: settings of the lm_head.
         value_embeds: settings of the value-embedding tables.
-        scalars: settings of the scalar gates and lambdas.
+        scalars: settings of the scalar gates and lambdas not in a family below.
         ngram: settings of the n-gram table's lazy row Adam (RECORD §4; beta1 must be 0).
         sparse_value_embeds: value embeddings get compact gradients and update with the n-gram
             table in the ``sparse`` optimizer part, on the sparse cadence (RECORD §5); False keeps
             them in the dense Adam part.
+        smear_gate: the smear gate's weight (RECORD §8: lr ×0.01).
+        ve_gate: the value-embedding gates (lr ×1, decay ×1).
+        post_lambdas: the post-lambdas π (betas 0.9, 0.95).
+        resid_lambdas: the residual lambdas ρ (lr ×5, betas 0.9, 0.95).
+        mudd: MUDD's layer and final mix weights (lr ×0.25, decay ×1).
+        mudd_bias: their biases (no decay).
+        mudd_gate: MUDD's pre and post gate weights (lr ×0.1, decay ×1).
+        mudd_gate_bias: the gate biases and the gate scale κ (no decay).
     """
 
     matrix_optimizer: str = "anvil"
@@ -88,12 +112,22 @@ class OptimConfig:
     cautious_wd: bool = True
     adam_decay_lr_power: int = 2
     shard_embeddings: bool = True
-    embed: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
-    lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.5, 0.95), 150.0))
-    value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.75, 0.95), 5.0))
-    scalars: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.99), 0.0))
-    ngram: AdamGroup = field(default_factory=lambda: AdamGroup(70.0, (0.0, 0.95), 5.0))
+    embed: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=1.0, betas=(0.5, 0.95), wd_mul=150.0))
+    lm_head: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=1.0, betas=(0.5, 0.95), wd_mul=150.0))
+    value_embeds: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.75, 0.95), wd_mul=5.0))
+    scalars: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=5.0, betas=(0.9, 0.99), wd_mul=0.0))
+    ngram: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.0, 0.95), wd_mul=5.0))
     sparse_value_embeds: bool = True
+    # RECORD §8 "Adam parameter groups": the small parameters by family (names matched in
+    # nanogpt_pl.optim.groups.ADAM_RULES)
+    smear_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.01, (0.9, 0.99), 0.0))
+    ve_gate: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.99), 1.0))
+    post_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(1.0, (0.9, 0.95), 0.0))
+    resid_lambdas: AdamGroup = field(default_factory=lambda: AdamGroup(5.0, (0.9, 0.95), 0.0))
+    mudd: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 1.0))
+    mudd_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.25, (0.9, 0.99), 0.0))
+    mudd_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 1.0))
+    mudd_gate_bias: AdamGroup = field(default_factory=lambda: AdamGroup(0.1, (0.9, 0.99), 0.0))
 
     def __post_init__(self) -> None:
         if self.matrix_optimizer not in ("anvil", "adamw"):
@@ -145,7 +179,7 @@ class StepSettings:
 
 # Checkpoints store the hyperparameters as these dataclasses; allow them under torch.load's
 # weights_only unpickler (Lightning loads checkpoints with it by default).
-torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup])
+torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup, Backends])
 
 
 class SpeedrunModule(L.LightningModule):
@@ -155,8 +189,9 @@ class SpeedrunModule(L.LightningModule):
         gpt: the model's shape and techniques.
         optim: the optimizers.
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
+        backends: the implementation of each numerical part (attention, FP8, loss, ANVIL's polar
+            cascade), all in one section (``nanogpt_pl.backends.Backends``).
         compile: compile the model's forward with ``torch.compile``.
-        loss_backend: ``auto``, ``reference``, ``chunked`` or ``triton`` for the training loss kernel.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
         cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
@@ -169,8 +204,8 @@ class SpeedrunModule(L.LightningModule):
         gpt: GPTConfig = GPTConfig(),
         optim: OptimConfig = OptimConfig(),
         schedule: Optional[Schedule] = None,
+        backends: Backends = Backends(),
         compile: bool = False,
-        loss_backend: str = "auto",
         param_dtype: str = "auto",
         cuda_graphs: bool = False,
     ) -> None:
@@ -180,31 +215,36 @@ class SpeedrunModule(L.LightningModule):
         self.gpt_config = gpt
         self.optim_config = optim
         self.schedule = schedule if schedule is not None else Schedule()
+        self.backends = backends
         self.compile = compile
-        check_backend(loss_backend)
-        self.loss_backend = loss_backend
+        check_backend(backends.loss)
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
         self.cuda_graphs = cuda_graphs
-        self.model = GPT(gpt)
+        self.model = GPT(gpt, backends)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None
         # the n-gram table shard and value-embedding channel (built in setup, on the strategy's group)
         self.sparse_channels: Optional[SparseChannels] = None
-        # the (possibly compiled) callable that runs the model; kept out of nn.Module's registry
-        # so the weights appear once in state_dict and checkpoints
-        self.__dict__["_forward"] = self.model
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
+        self._prefix: Optional[Tensor] = None  # the prefix-token table (RECORD §2), built on first use
+        # restored from a checkpoint before setup builds what they belong to
+        self._pending_sparse_state: Optional[dict[str, Any]] = None
+        self._pending_sampler_state: Optional[dict[str, dict]] = None
+        # dense-model FLOPs of this rank's last step (callbacks.throughput reads it for MFU)
+        self.flops_per_batch: Optional[int] = None
+        # token-weighted over batches and ranks by torchmetrics (nanogpt_pl/metrics.py)
+        self.val_loss = MeanTokenLoss()
+        self.val_bpb = BitsPerByte()
         self.__dict__["_graphs"] = None  # capture.ModuleGraphs, built at the first step on a GPU
         self._run_ahead = RunAhead()
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        self._check_gpu_options(self.trainer.strategy.root_device)
         self.prepare_for_training(self.trainer.strategy.root_device, self.trainer.world_size, self.global_rank)
-        from .distributed.strategy import SpeedrunStrategy
-
         if (self.sparse_channels is not None and self.trainer.world_size > 1
                 and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
             raise RuntimeError(
@@ -233,32 +273,45 @@ class SpeedrunModule(L.LightningModule):
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
                                                          fixed_shapes=self.compile or graphs)
-            pending = getattr(self, "_pending_sparse_state", None)
-            if pending is not None and self.sparse_channels is not None:
-                self.sparse_channels.load_state_dict(pending)
+            if self._pending_sparse_state is not None and self.sparse_channels is not None:
+                self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None
         if self.compile:
-            self.__dict__["_forward"] = torch.compile(self.model, dynamic=False)
+            # compiled in place: the module keeps its parameters, so state_dict keys stay the same
+            self.model.compile(dynamic=False)
+
+    def _check_gpu_options(self, device: torch.device) -> None:
+        """A trainer run off CUDA rejects the options that are for a GPU (a plain loop calling
+        ``prepare_for_training`` may still compile on CPU)."""
+        if device.type == "cuda":
+            return
+        cfg = self.gpt_config
+        # (model.optim.anvil_cuda_graph only applies on CUDA: elsewhere ANVIL runs eagerly, as documented)
+        gpu_only = ["--model.compile false"] if self.compile else []
+        if self.backends.fp8 == "auto":
+            gpu_only += [f"--model.gpt.{k} false" for k in ("fp8_mlp", "fp8_head", "fp8_qkv") if getattr(cfg, k)]
+        if gpu_only:
+            raise RuntimeError(
+                f"{', '.join(o.split()[0][2:] for o in gpu_only)} are GPU options and this run is on "
+                f"{device.type}: add {' '.join(gpu_only)} (or --model.backends.fp8 reference to emulate FP8), "
+                "or train configs/quickstart.yaml"
+            )
 
     def _check_device_options(self, device: torch.device) -> None:
         """Reject options this device cannot run, naming the option and the fix."""
-        from .model.attention import resolve_backend
-
-        resolve_backend(self.gpt_config.attention_backend, device)
+        resolve_backend(self.backends.attention, device)
         cfg = self.gpt_config
         if device.type != "cuda":
-            if cfg.fp8_backend == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
+            if self.backends.fp8 == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
-                    "model.gpt.fp8_backend='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
-                    "use fp8_backend: reference (or auto) on CPU"
+                    "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
+                    "use model.backends.fp8: reference on CPU"
                 )
-            if self.loss_backend == "triton":
-                from .ops.triton import interpret_mode
-
+            if self.backends.loss == "triton":
                 if not interpret_mode():
                     raise RuntimeError(
-                        "model.loss_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
-                        "use loss_backend: auto or reference on CPU"
+                        "model.backends.loss='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
+                        "use model.backends.loss: auto or reference on CPU"
                     )
 
     @property
@@ -267,24 +320,25 @@ class SpeedrunModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         o = self.optim_config
-        roles = self.model.param_roles()
         pg = self.process_group
         parts: dict[str, torch.optim.Optimizer] = {}
+        # which parameter goes where, and with which block shape and lr multiplier: by name (optim/groups.py)
+        matrices = anvil_group(self.model, self.gpt_config.head_dim)
         if o.matrix_optimizer == "anvil":
-            from .optim.anvil import Anvil
-
-            parts["matrices"] = Anvil(roles["matrices"], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
-                                      cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg)
+            parts["matrices"] = Anvil([matrices], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
+                                      engage_step=self.schedule.anvil_engage_step,
+                                      cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg,
+                                      backend=self.backends.polar)
         else:
-            parts["matrices"] = DistAdam(roles["matrices"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
+            parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
                                          process_group=pg)
         sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
-        for name, g in (("embed", o.embed), ("lm_head", o.lm_head), ("value_embeds", o.value_embeds),
-                        ("scalars", o.scalars)):
-            if roles[name] and name not in sparse:
-                groups.append(dict(params=roles[name], name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
+        for name, params in adam_families(self.model).items():
+            g = getattr(o, name)
+            if name not in sparse:
+                groups.append(dict(params=params, name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
                                    wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
                                  cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power)
@@ -295,11 +349,46 @@ class SpeedrunModule(L.LightningModule):
                                          groups=settings)
         return CombinedOptimizer(parts)
 
-    # -- schedule hooks (called by callbacks.schedule.ScheduleCallback) ---------------
+    # -- schedule hooks ------------------------------------------------------------------
+    def apply_schedule(self, step: int, previous_step: Optional[int] = None) -> None:
+        """Set ``step``'s schedule values through the hooks below.
+
+        Every value is a pure function of the step (``schedule.py``), so a resumed run applies
+        exactly what the straight run would have. YaRN fires when the windows of ``step`` differ
+        from those of ``previous_step`` (default ``step - 1``), the step whose windows the rotary
+        state currently reflects (the speedrun timer's warmup visits steps out of order).
+        """
+        sched = self.schedule
+        self.set_lr_scale(sched.lr_mul(step))
+        self.set_momentum(sched.momentum(step))
+        short, long = sched.windows(step)
+        if previous_step is None:
+            previous_step = step - 1
+        prev = sched.windows(previous_step) if previous_step >= 0 else (short, long)
+        self.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
+        self.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
+        self.set_active_parts(self.active_parts_for(step))
+        self.set_tied(sched.tied(step), untie_now=step > 0 and sched.tied(step - 1) and not sched.tied(step))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.apply_schedule(self.global_step)
+
     def set_lr_scale(self, scale: float) -> None:
         """Set every param group's lr to its initial lr times ``scale``."""
         for group in self._combined().param_groups:
             group["lr"] = group["initial_lr"] * scale
+
+    def learning_rates(self) -> dict[str, float]:
+        """This step's learning rate of each optimizer part, as logged: ``lr/matrix`` (ANVIL's base lr,
+        before its per-shape sqrt(max(1, rows/cols)) factor; AdamW's lr), ``lr/adam_<group>`` and
+        ``lr/sparse_<channel>`` (lr times the group's lr_mul)."""
+        out: dict[str, float] = {}
+        for part_name, part in self._combined().parts.items():
+            for group in part.param_groups:
+                lr = float(group["lr"]) * float(group.get("lr_mul", 1.0))
+                key = "lr/matrix" if part_name == "matrices" else f"lr/{part_name}_{group.get('name', len(out))}"
+                out.setdefault(key, lr)
+        return out
 
     def set_momentum(self, momentum: float) -> None:
         """Set the momentum of the optimizer groups that have one (ANVIL)."""
@@ -370,7 +459,7 @@ class SpeedrunModule(L.LightningModule):
         Adds each micro-batch's sampled-softmax candidate set (built on the CPU copy of the
         targets, RECORD §6) and its prefix-token targets when the schedule uses them.
         """
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         num = self.schedule.candidates(step)
         prefix = self.schedule.prefix_weight(step) > 0
         world, rank = self._world
@@ -389,9 +478,7 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _prefix_table(self) -> Tensor:
-        if getattr(self, "_prefix", None) is None:
-            from .data.tokenizer import build_prefix_table
-
+        if self._prefix is None:  # built on first use: it needs the tokenizer's files
             self._prefix = build_prefix_table(vocab_size=self.gpt_config.vocab_size)
         return self._prefix
 
@@ -401,7 +488,7 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
-        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
+        hidden = self.model(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
                                **(sparse or {}))
         s = self.settings
         head = self.model.fp8_head
@@ -410,7 +497,7 @@ class SpeedrunModule(L.LightningModule):
         return lm_head_loss(
             hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"),
             mtp_weights=mb.get("mtp_weights", s.mtp_weights),
-            prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.loss_backend,
+            prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.backends.loss,
             head=head,
         )
 
@@ -421,7 +508,7 @@ class SpeedrunModule(L.LightningModule):
         its untimed warmup steps.
         """
         opt = self._plain_optimizer if self._plain_optimizer is not None else self.optimizers()
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         total = torch.zeros((), device=self.device)
         graphs = self._step_graphs()
         if graphs is not None:
@@ -473,9 +560,8 @@ class SpeedrunModule(L.LightningModule):
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
         step = self.global_step  # optimizer steps completed before this one
         mean_loss = self.run_step(batch)
-        micro = batch if isinstance(batch, list) else [batch]
+        micro = micro_batches(batch)
         tokens = sum(mb["inputs"].numel() for mb in micro)
-        # read by callbacks.throughput (ThroughputMonitor): dense-model FLOPs of this rank's step
         self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
                                                                        *self.settings.windows)
         if self._logs_at(step):
@@ -484,7 +570,9 @@ class SpeedrunModule(L.LightningModule):
             loss = self.trainer.strategy.reduce(mean_loss.detach(), reduce_op="mean").cpu()
             self.log("train/loss", loss, prog_bar=True, batch_size=1)
         self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
-        self.log("lr", self.schedule.lr_mul(step), batch_size=1)
+        self.log("schedule/lr_mul", self.schedule.lr_mul(step), batch_size=1)
+        for name, lr in self.learning_rates().items():
+            self.log(name, lr, batch_size=1)
         # tokens this rank's documents lost to the step's max_doc_len (data.long_documents)
         self.log("train/doc_tokens_cut", float(sum(mb.get("doc_tokens_cut", 0) for mb in micro)), batch_size=1)
         return mean_loss
@@ -510,8 +598,6 @@ class SpeedrunModule(L.LightningModule):
     # -- state capture (the speedrun timer resets to the start after its warmup) -------
     def capture_state(self) -> dict[str, Any]:
         """A deep copy of everything training changes: weights, buffers, optimizer, sampler."""
-        import copy
-
         return {
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self._combined().state_dict()),
@@ -524,8 +610,6 @@ class SpeedrunModule(L.LightningModule):
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Return to a state from :meth:`capture_state`; gradients are cleared."""
-        import copy
-
         self.model.load_state_dict(state["model"])
         combined = self._combined()
         for part in combined.parts.values():
@@ -535,6 +619,7 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        self._prefix = None  # RECORD §11: the prefix-table build is on the clock, so the timed run rebuilds it
         if self.sparse_channels is not None:
             if state.get("sparse") is None:
                 self.sparse_channels.reset_()
@@ -546,16 +631,16 @@ class SpeedrunModule(L.LightningModule):
         hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
                             (self.schedule.val_window_short, self.schedule.val_window_long), **sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=1)
+        self.val_loss.update(loss, batch["targets"].numel())
+        self.val_bpb.update_from_loss(hidden, self.model.lm_head, batch["targets"], loss)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/bpb", self.val_bpb)
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Stop after the schedule's last step so the final validation runs (Lightning validates
         # when training is asked to stop).
-        last = self.schedule.total_steps
-        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
-            last = min(last, self.trainer.max_steps)
-        if self.global_step >= last:
+        if self.global_step >= self.schedule.run_steps(self.trainer.max_steps):
             self.trainer.should_stop = True
 
     # -- checkpoint ----------------------------------------------------------------
@@ -567,6 +652,8 @@ class SpeedrunModule(L.LightningModule):
             torch.distributed.all_gather_object(gathered, samplers)
             samplers = {k: v for part in gathered for k, v in part.items()}
         checkpoint["speedrun"] = {"samplers": samplers, "windows": self.settings.windows}
+        # what `nanogpt-pl generate` needs to run the validation network from this file alone
+        checkpoint["speedrun"]["val_windows"] = (self.schedule.val_window_short, self.schedule.val_window_long)
         if self.sparse_channels is not None:
             # rank-local: SpeedrunStrategy moves it to <ckpt>.ngram-rank<r>.pt (distributed/side_files.py)
             checkpoint[RANK_LOCAL_KEY] = self.sparse_channels.state_dict()
@@ -589,12 +676,8 @@ class SpeedrunModule(L.LightningModule):
                 self.sparse_channels.load_state_dict(sparse)
 
     def on_train_start(self) -> None:
-        pending = getattr(self, "_pending_sampler_state", None)
-        if pending is not None and self.sampler is not None:
-            self.sampler.load_state_dict(pending)
+        if self._pending_sampler_state is not None and self.sampler is not None:
+            self.sampler.load_state_dict(self._pending_sampler_state)
             self._pending_sampler_state = None
 
-    def configure_callbacks(self):
-        from callbacks.schedule import ScheduleCallback
 
-        return [ScheduleCallback()]

@@ -57,12 +57,19 @@ def _record_stages() -> list[Stage]:
     # RECORD.md §9: stage ends [320, 681, 1107, 1174, 1194]; windows in 128-token blocks;
     # §6 candidate counts; §2 MTP and prefix weights.
     return [
-        Stage(320, 131_072, 16_384, 896, 128, 384, 1.0, 10_240, 0.25, [1.0, 0.5, 0.25], [1.0, 0.5, 0.0]),
-        Stage(361, 262_144, 32_768, 2048, 384, 896, 1.52, 10_240, [0.20, 0.15, 0.10, 0.05], [1.0, 0.5], [1.0, 0.0]),
-        Stage(426, 393_216, 49_152, 3072, 640, 1408, 1.73, [14_336, 14_336, 24_576]),
+        Stage(steps=320, batch_tokens=131_072, seq_len=16_384, max_doc_len=896, window_short=128, window_long=384,
+              lr_mul=1.0, candidates=10_240, prefix_weight=0.25, mtp_start=[1.0, 0.5, 0.25],
+              mtp_end=[1.0, 0.5, 0.0]),
+        Stage(steps=361, batch_tokens=262_144, seq_len=32_768, max_doc_len=2048, window_short=384, window_long=896,
+              lr_mul=1.52, candidates=10_240, prefix_weight=[0.20, 0.15, 0.10, 0.05], mtp_start=[1.0, 0.5],
+              mtp_end=[1.0, 0.0]),
+        Stage(steps=426, batch_tokens=393_216, seq_len=49_152, max_doc_len=3072, window_short=640, window_long=1408,
+              lr_mul=1.73, candidates=[14_336, 14_336, 24_576]),
         # taper: 20·2048·8 tokens at lr_mul 1.73·sqrt(20/24)
-        Stage(67, 327_680, 40_960, 3072, 640, 1408, 1.73 * math.sqrt(20 / 24)),
-        Stage(20, 131_072, 16_384, 3072, 768, 1664, 1.0, extension=True),
+        Stage(steps=67, batch_tokens=327_680, seq_len=40_960, max_doc_len=3072, window_short=640, window_long=1408,
+              lr_mul=1.73 * math.sqrt(20 / 24)),
+        Stage(steps=20, batch_tokens=131_072, seq_len=16_384, max_doc_len=3072, window_short=768, window_long=1664,
+              lr_mul=1.0, extension=True),
     ]
 
 
@@ -147,6 +154,16 @@ class Schedule:
             if step < end:
                 return i
         return len(self.stages) - 1
+
+    def run_steps(self, max_steps: Optional[int] = None) -> int:
+        """Steps a run trains: the schedule's end, or ``max_steps`` (``trainer.max_steps``) if smaller.
+
+        ``None`` or a value <= 0 (Lightning's -1: no limit) leaves the schedule's end; the run's
+        last step is ``run_steps(max_steps) - 1``.
+        """
+        if max_steps is not None and max_steps > 0:
+            return min(self.total_steps, max_steps)
+        return self.total_steps
 
     def stage(self, step: int) -> Stage:
         return self.stages[self.stage_index(step)]

@@ -1,7 +1,22 @@
-"""Shared pytest set-up: ``@pytest.mark.cuda`` tests skip on machines without a CUDA GPU; the ``one_thread`` fixture."""
+"""Shared pytest set-up: ``@pytest.mark.cuda`` tests skip on machines without a CUDA GPU; shared fixtures.
+
+Fixtures: ``one_thread``; ``toy_files`` (small Markov-chain train/val shards); ``toy_config``
+(a tiny CPU config file from configs/quickstart.yaml); ``run_cli`` (main.py in a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from train_helpers import write_markov_shards
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +35,60 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def toy_files(tmp_path_factory) -> tuple[str, str]:
+    """(train glob, val glob) of small Markov-chain token shards, written once per session."""
+    return write_markov_shards(tmp_path_factory.mktemp("toy"))
+
+
+def _toy_config(tmp: Path, files: tuple[str, str], **overrides) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg["trainer"].update(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    cfg["trainer"]["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                 "init_args": {"save_dir": str(tmp / "logs"), "name": "toy"}}]
+    cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                    "init_args": {"dirpath": str(tmp / "ckpt"), "save_last": True}}]
+    cfg["model"]["gpt"].update(num_layers=2, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
+                               long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None)
+    cfg["schedule"]["stages"] = [dict(steps=6, batch_tokens=1024, seq_len=512, max_doc_len=256, window_short=64,
+                                      window_long=256, candidates=2048)]
+    cfg["schedule"]["warmup_steps"] = 2
+    cfg["data"] = dict(train_files=files[0], val_files=files[1], val_tokens=4096, val_seq_len=1024, prefetch=2)
+    for key, value in overrides.items():
+        node = cfg
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    out = tmp / "config.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+# Rendezvous variables an earlier in-process Lightning run leaves in os.environ: a child CLI
+# that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+               "PL_SEED_WORKERS")
+
+
+def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None = 1) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(ROOT))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def toy_config():
+    """``toy_config(tmp, files, **{"dotted.key": value})``: a tiny CPU config file; returns its path."""
+    return _toy_config
+
+
+@pytest.fixture
+def run_cli():
+    """``run_cli(args, cwd, timeout=600, threads=1)``: ``python main.py *args`` in a subprocess."""
+    return _run_cli

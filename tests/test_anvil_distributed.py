@@ -143,7 +143,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results = {"adam": _adam_worker(rank, world)}
         for dtype in DTYPES:
             params = make_params(dtype)
-            opt = Anvil(params, engage_step=ENGAGE, backend="torch", compile=False)  # default group
+            opt = Anvil(params, engage_step=ENGAGE, backend="reference", compile=False)  # default group
             assert opt.world_size == world and opt.rank == rank
 
             def grads_of(step: int) -> list[torch.Tensor]:
@@ -161,7 +161,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             with torch.no_grad():
                 for p, w in zip(again, weights):
                     p.copy_(w)
-            opt2 = Anvil(again, engage_step=ENGAGE, backend="torch", compile=False)
+            opt2 = Anvil(again, engage_step=ENGAGE, backend="reference", compile=False)
             sd = from_bytes(local)
             assert sd["format"] == "anvil-local" and sd["rank"] == rank
             opt2.load_state_dict(sd)
@@ -186,7 +186,7 @@ def _free_port() -> int:
 
 def single_process(dtype: torch.dtype, world: int, steps: range, params=None, state=None):
     params = make_params(dtype) if params is None else params
-    opt = Anvil(params, engage_step=ENGAGE, backend="torch", compile=False)
+    opt = Anvil(params, engage_step=ENGAGE, backend="reference", compile=False)
     if state is not None:
         opt.load_state_dict(state)
     run_steps(opt, params, steps, lambda step: mean_grads(params, world, step))

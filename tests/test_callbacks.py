@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import copy
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, write_markov_shards  # noqa: E402
-
-from callbacks.ema import TailAveraging, TailTrack  # noqa: E402
-from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps  # noqa: E402
-from nanogpt_pl.schedule import Schedule  # noqa: E402
+from callbacks.ema import TailAveraging, TailTrack, record_tracks
+from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps
+from callbacks.throughput import SpeedrunThroughput
+from nanogpt_pl.schedule import Schedule, Stage
 
 # -- tail averaging against a plain reference ------------------------------------------------
 
@@ -32,8 +29,8 @@ class _Model(torch.nn.Module):
 
 
 def _fake(total_steps: int, gen):
-    module = SimpleNamespace(model=_Model(gen), schedule=SimpleNamespace(total_steps=total_steps),
-                             device=torch.device("cpu"))
+    schedule = Schedule(stages=[Stage(steps=total_steps, batch_tokens=1024, seq_len=512, max_doc_len=256)])
+    module = SimpleNamespace(model=_Model(gen), schedule=schedule, device=torch.device("cpu"))
     trainer = SimpleNamespace(global_step=0, max_steps=-1)
     return module, trainer
 
@@ -62,8 +59,9 @@ def test_tail_tracks_and_ship_match_reference(seed):
     gen = torch.Generator().manual_seed(seed)
     total = 40
     tracks = [
-        TailTrack("ema", ["fa"], window=20, every=2, phase=1, rate=0.2, last_rate=0.1, seed_at_start=True, blend=0.65),
-        TailTrack("avg", ["fb"], window=12, every=4, phase=1, rate=0.3, extra_last=2, blend=1.0),
+        TailTrack(name="ema", params=["fa"], window=20, every=2, phase=1, rate=0.2, last_rate=0.1, seed_at_start=True,
+                  blend=0.65),
+        TailTrack(name="avg", params=["fb"], window=12, every=4, phase=1, rate=0.3, extra_last=2, blend=1.0),
     ]
     cb = TailAveraging(tracks=tracks, decontract=["fa"])
     module, trainer = _fake(total, gen)
@@ -95,7 +93,7 @@ def test_tail_tracks_and_ship_match_reference(seed):
 def test_tail_state_survives_a_checkpoint():
     gen = torch.Generator().manual_seed(1)
     total = 30
-    tracks = [TailTrack("avg", ["fa", "fb"], window=16, every=2, phase=0, rate=0.25, blend=1.0)]
+    tracks = [TailTrack(name="avg", params=["fa", "fb"], window=16, every=2, phase=0, rate=0.25, blend=1.0)]
     straight = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
     resumed = TailAveraging(tracks=copy.deepcopy(tracks), decontract=[])
     m1, t1 = _fake(total, gen)
@@ -119,8 +117,6 @@ def test_tail_state_survives_a_checkpoint():
 
 
 def test_record_tracks_match_the_table():
-    from callbacks.ema import record_tracks
-
     tracks = {t.name: t for t in record_tracks()}
     assert tracks["tail_ema"].window == 298 and tracks["tail_ema"].blend == 0.65
     assert abs(tracks["tail_ema"].rate - 0.013333) < 1e-5 and abs(tracks["tail_ema"].last_rate - 2 / 299) < 1e-12
@@ -134,19 +130,15 @@ def test_record_tracks_match_the_table():
 
 # -- the speedrun timer ----------------------------------------------------------------------
 
-def test_default_warmup_steps_cover_every_configuration():
+def test_default_warmup_steps_are_the_records():
     steps = default_warmup_steps(Schedule(), limit=100)
-    for boundary in (320, 681, 1107, 1174):
-        assert {boundary - 2, boundary - 1, boundary, boundary + 1} <= set(steps)
-    # new candidate counts are new shapes (and prefix-weight values new CUDA-graph keys: test_capture.py)
-    assert {0, 1, 965, 966} <= set(steps)
-    assert {514, 336, 339, 1175, 1176, 1177, 1178} <= set(steps)
-    assert len(steps) <= 40 and default_warmup_steps(Schedule(), limit=10) == steps[:10]
-
-
-@pytest.fixture(scope="module")
-def toy_files(tmp_path_factory):
-    return write_markov_shards(tmp_path_factory.mktemp("toy"))
+    # RECORD §11: 29 sampled steps (around 320, 681, 965, 1107, 1174; 1176–1178 after the untie;
+    # each configuration key's first step and the next), then the prefix 0..7 last: 37 steps
+    sampled = [318, 319, 320, 321, 411, 412, 501, 502, 591, 592, 679, 680, 681, 682, 963, 964, 965, 966,
+               1105, 1106, 1107, 1108, 1172, 1173, 1174, 1175, 1176, 1177, 1178]
+    assert steps == sampled + list(range(8)) and len(steps) == 37
+    assert default_warmup_steps(Schedule(), limit=40) == steps
+    assert default_warmup_steps(Schedule(), limit=10) == sampled[:2] + list(range(8))
 
 
 class _Snapshot(L.Callback):
@@ -185,3 +177,22 @@ def test_timer_warmup_resets_everything_and_excludes_validation(toy_files, tmp_p
     val_batches = 4096 // 1024
     assert 0 < timer.elapsed < wall - 0.5 * val_batches  # the slow validation is off the clock
     assert not timer.reached
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+def test_throughput_logs_what_lightnings_meter_computes(toy_files, tmp_path):
+    steps, window = 6, 3
+    module, data = make_run(toy_files, tiny_schedule(steps))
+    meter = SpeedrunThroughput(window_size=window, available_flops=1e12)
+    trainer = make_trainer(tmp_path, callbacks=[meter])
+    trainer.fit(module, data)
+    # every step's micro-batches and tokens were counted (1,024 tokens as 2 micro-batches of 512)
+    assert (meter.steps, meter.micro_batches, meter.tokens) == (steps, 2 * steps, 1024 * steps)
+    rates = meter.meter.compute()
+    logged = trainer.callback_metrics
+    assert float(logged["train/tokens_per_s"]) == pytest.approx(rates["device/items_per_sec"])
+    assert float(logged["train/device/items_per_sec"]) == pytest.approx(rates["device/items_per_sec"])
+    assert float(logged["train/device/mfu"]) == pytest.approx(rates["device/flops_per_sec"] / 1e12)
+    # the window's FLOPs are the module's per-step figure: tokens x dense FLOPs per token
+    assert module.flops_per_batch == 1024 * module.gpt_config.flops_per_token(512, 64, 256)

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from callbacks.schedule import apply_schedule  # noqa: E402
 from callbacks.speedrun_timer import default_warmup_steps  # noqa: E402
+from nanogpt_pl.backends import Backends  # noqa: E402
 from nanogpt_pl.capture import (  # noqa: E402
     CaptureKey,
     FrozenGC,
@@ -112,7 +112,7 @@ def train_losses(module: SpeedrunModule, steps: int, micro_batches: int, seq_len
     losses = []
     for step in range(steps):
         batch = step_batch(module, step, seed, micro_batches, seq_len)
-        apply_schedule(module, step)
+        module.apply_schedule(step)
         losses.append(float(module.run_step(batch)))
     return losses
 
@@ -216,10 +216,11 @@ def test_cuda_graphs_on_cpu_is_a_no_op_with_one_warning():
 @pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning")
 def test_module_with_cuda_graphs_on_cpu_trains_exactly_like_eager(one_thread):
     sched = every_technique_schedule(steps=3, seq_len=256)
-    gpt = every_technique_gpt(fp8_backend="reference")
+    gpt = every_technique_gpt()
+    reference = Backends(fp8="reference")
     with pytest.warns(UserWarning, match="model.cuda_graphs"):
-        on = make_module("cpu", True, sched, gpt)
-    off = make_module("cpu", False, sched, gpt)
+        on = make_module("cpu", True, sched, gpt, backends=reference)
+    off = make_module("cpu", False, sched, gpt, backends=reference)
     assert on._step_graphs() is None and on.sparse_channels.fixed_shapes is False
     a = train_losses(on, 3, 2, 256)
     b = train_losses(off, 3, 2, 256)
@@ -394,4 +395,4 @@ def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path
     assert sorted(logged) == [1, 3, 5]  # every log_every_n_steps (and the last step), not every step
     for step, value in logged.items():
         assert value == pytest.approx(rec.losses[step], rel=1e-6)
-    assert all(r.get("lr") for r in rows if r.get("train/loss"))
+    assert all(r.get("schedule/lr_mul") and r.get("lr/matrix") for r in rows if r.get("train/loss"))

@@ -27,7 +27,6 @@ from test_capture import (  # noqa: E402
     train_losses,
 )
 
-from callbacks.schedule import apply_schedule  # noqa: E402
 from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs  # noqa: E402
 
 pytestmark = [
@@ -85,7 +84,7 @@ def _visit(module, mb, micro_batches: int = 2):
 
 def test_replay_equals_eager_with_every_technique_on():
     module = _module()
-    apply_schedule(module, 0)
+    module.apply_schedule(0)
     mb = step_batch(module, 0, seed=3, micro_batches=1, seq_len=SEQ)[0]
     eager, captured, replayed = (_visit(module, mb) for _ in range(3))
     graphs = module._step_graphs().graphs
@@ -128,7 +127,7 @@ def test_training_with_graphs_tracks_eager_training():
 
 def test_a_new_key_is_captured_and_an_old_one_replayed():
     module = _module()
-    apply_schedule(module, 0)
+    module.apply_schedule(0)
     graphs = module._step_graphs().graphs
     mb = step_batch(module, 0, seed=4, micro_batches=1, seq_len=SEQ)[0]
     base = [_visit(module, mb) for _ in range(2)][0]

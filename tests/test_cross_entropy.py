@@ -12,6 +12,9 @@ import os
 import pytest
 import torch
 
+from nanogpt_pl.backends import Backends
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
+from nanogpt_pl.module import SpeedrunModule
 from nanogpt_pl.ops.cross_entropy import (
     SOFTCAP_MAX,
     SOFTCAP_SHIFT,
@@ -21,7 +24,7 @@ from nanogpt_pl.ops.cross_entropy import (
     softcap,
     softcap_ce_rows_reference,
 )
-from nanogpt_pl.ops.lm_head import VOCAB_SIZE, HeadMatmul, TorchHeadMatmul, default_chunk_rows
+from nanogpt_pl.ops.lm_head import HeadMatmul, TorchHeadMatmul, default_chunk_rows
 from nanogpt_pl.ops.sampling import CandidateSampler
 
 SEEDS = (0, 1, 2)
@@ -221,7 +224,7 @@ def test_missing_target_and_bad_inputs_raise():
     with pytest.raises(ValueError, match="unknown backend"):
         lm_head_loss(x, w, t, backend="cuda")
     # One line naming the config option and every valid choice; the plain path is "reference".
-    with pytest.raises(ValueError, match=r"model\.loss_backend .* auto, reference, chunked, triton$"):
+    with pytest.raises(ValueError, match=r"model\.backends\.loss .* auto, reference, chunked, triton$"):
         lm_head_loss(x, w, t, backend="torch")
     with pytest.raises(ValueError, match="same D"):
         lm_head_loss(x[:, :5], w, t)
@@ -234,10 +237,8 @@ def test_missing_target_and_bad_inputs_raise():
 
 
 def test_module_rejects_an_unknown_loss_backend_at_construction():
-    from nanogpt_pl.module import SpeedrunModule
-
-    with pytest.raises(ValueError, match=r"^unknown backend 'torch' .*model\.loss_backend .* auto, reference, chunked"):
-        SpeedrunModule(loss_backend="torch")
+    with pytest.raises(ValueError, match=r"^unknown backend 'torch' .*model\.backends\.loss .* auto, reference"):
+        SpeedrunModule(backends=Backends(loss="torch"))
 
 # ---------------------------------------------------------------------------------------
 # Numerics
@@ -343,10 +344,10 @@ def test_validation_loss_is_full_softmax_whatever_the_candidates():
 
 def test_default_chunk_rows():
     # RECORD shapes: 49,152 rows of the full vocabulary in 6 chunks of 8,192 on the GPU.
-    assert default_chunk_rows(49152, VOCAB_SIZE, "cuda") == 8192
+    assert default_chunk_rows(49152, PADDED_VOCAB, "cuda") == 8192
     assert default_chunk_rows(49152, 10240, "cuda") == 24576
-    assert default_chunk_rows(262144, VOCAB_SIZE, "cuda") == 8192
-    assert default_chunk_rows(10, VOCAB_SIZE, "cpu") == 10
+    assert default_chunk_rows(262144, PADDED_VOCAB, "cuda") == 8192
+    assert default_chunk_rows(10, PADDED_VOCAB, "cpu") == 10
     for n, p in [(1000, 50304), (49152, 24576), (777, 3)]:
         rows = default_chunk_rows(n, p, "cpu")
         assert 1 <= rows <= n and (rows == n or rows % 128 == 0)

@@ -10,14 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import BOS, read_tokens
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import BOS, read_tokens  # noqa: E402
-
-from nanogpt_pl.data import corpus  # noqa: E402
-from nanogpt_pl.data.datamodule import SpeedrunDataModule  # noqa: E402
-from nanogpt_pl.data.tokenizer import cache_dir as tiktoken_cache_dir  # noqa: E402
+from nanogpt_pl.data import corpus
+from nanogpt_pl.data.datamodule import SpeedrunDataModule
+from nanogpt_pl.data.tokenizer import cache_dir as tiktoken_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = "import sys; from nanogpt_pl.data.corpus import build_corpus; print(build_corpus(sys.argv[1]).directory)"

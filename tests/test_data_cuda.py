@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from data_fixtures import random_documents, small_schedule, write_random_shards
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import random_documents, small_schedule, write_random_shards  # noqa: E402
-
-from nanogpt_pl.data.shards import write_shard  # noqa: E402
-from nanogpt_pl.data.stream import TrainStream, iter_steps  # noqa: E402
-from nanogpt_pl.data.validation import ValidationSet  # noqa: E402
+from nanogpt_pl.data.shards import write_shard
+from nanogpt_pl.data.stream import TrainStream, iter_steps
+from nanogpt_pl.data.validation import ValidationSet
 
 pytestmark = [
     pytest.mark.cuda,

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from data_fixtures import small_schedule, write_random_shards
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import small_schedule, write_random_shards  # noqa: E402
-
-from nanogpt_pl.data.datamodule import SpeedrunDataModule  # noqa: E402
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
+from nanogpt_pl.data.datamodule import SpeedrunDataModule
+from nanogpt_pl.data.shards import ShardError, write_shard
 
 
 class Recorder(L.LightningModule):

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import BOS, random_documents, small_schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import BOS, random_documents, small_schedule  # noqa: E402
-
-from nanogpt_pl.data.planning import DataExhaustedError  # noqa: E402
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
-from nanogpt_pl.data.stream import TrainStream, iter_steps  # noqa: E402
-from nanogpt_pl.data.validation import ValidationSet  # noqa: E402
+from nanogpt_pl.data.planning import DataExhaustedError
+from nanogpt_pl.data.shards import ShardError, write_shard
+from nanogpt_pl.data.stream import TrainStream, iter_steps
+from nanogpt_pl.data.validation import ValidationSet
 
 
 def _first_step_error(paths, schedule) -> str:

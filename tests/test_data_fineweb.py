@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import FakeHub, random_documents
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import FakeHub, random_documents  # noqa: E402
-
-from nanogpt_pl.data import fineweb  # noqa: E402
-from nanogpt_pl.data.shards import ShardError, read_header, write_shard  # noqa: E402
+from nanogpt_pl.data import fineweb
+from nanogpt_pl.data.shards import ShardError, read_header, write_shard
 
 
 def _shard_bytes(tmp: Path, name: str, seed: int) -> bytes:

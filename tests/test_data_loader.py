@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import (  # noqa: E402
+from data_fixtures import (
     BOS,
     random_documents,
     read_tokens,
@@ -21,16 +16,16 @@ from data_fixtures import (  # noqa: E402
     write_random_shards,
 )
 
-from nanogpt_pl.data import stream as stream_mod  # noqa: E402
-from nanogpt_pl.data.planning import (  # noqa: E402
+from nanogpt_pl.data import stream as stream_mod
+from nanogpt_pl.data.planning import (
     DataExhaustedError,
     DocumentTooLongError,
     max_num_docs,
     pack_cu_seqlens,
 )
-from nanogpt_pl.data.shards import ShardError, write_shard  # noqa: E402
-from nanogpt_pl.data.stream import TrainStream, iter_steps  # noqa: E402
-from nanogpt_pl.data.validation import ValidationSet  # noqa: E402
+from nanogpt_pl.data.shards import ShardError, write_shard
+from nanogpt_pl.data.stream import TrainStream, iter_steps
+from nanogpt_pl.data.validation import ValidationSet
 
 
 def _stream(paths, schedule, **kw):

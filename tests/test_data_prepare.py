@@ -5,19 +5,14 @@ from __future__ import annotations
 import gzip
 import json
 import stat
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from data_fixtures import BOS, read_tokens
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from data_fixtures import BOS, read_tokens  # noqa: E402
-
-from nanogpt_pl.data.prepare import DEFAULT_TXT_DOCUMENT_CHARS, prepare  # noqa: E402
-from nanogpt_pl.data.shards import list_shards  # noqa: E402
-from nanogpt_pl.data.tokenizer import get_encoding  # noqa: E402
+from nanogpt_pl.data.prepare import DEFAULT_TXT_DOCUMENT_CHARS, prepare
+from nanogpt_pl.data.shards import list_shards
+from nanogpt_pl.data.tokenizer import get_encoding
 
 WORDS = ["the", "model", "attention", "λ", "naïve", "données", "<|endoftext|>", "3.28", "\n", "def", "(x)", "🙂", "  "]
 

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from nanogpt_pl.data.shards import (  # noqa: E402
+from nanogpt_pl.data.shards import (
     HEADER_BYTES,
     SHARD_MAGIC,
     ShardError,

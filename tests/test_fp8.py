@@ -418,7 +418,7 @@ def test_a_backend_name_not_offered_names_the_option_and_the_choices(make):
         make(backend="emulated")
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith("model.gpt.fp8_backend: unknown fp8 backend 'emulated'")
+    assert msg.startswith("model.backends.fp8: unknown fp8 backend 'emulated'")
     assert "'reference'" in msg and msg.endswith("choose one of auto, reference, scaled_mm")
 
 

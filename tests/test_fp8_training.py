@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanogpt_pl.backends import Backends
 from nanogpt_pl.model.gpt import GPT, GPTConfig
 from nanogpt_pl.ops.cross_entropy import lm_head_loss
 from nanogpt_pl.ops.fp8 import Fp8Head
@@ -39,13 +40,13 @@ def markov_batches(steps: int, n_seq: int, seq_len: int, seed: int, device: str,
 
 
 def train(cfg: GPTConfig, batches: list[torch.Tensor], device: str, dtype: torch.dtype, lr: float,
-          loss_backend: str, windows: tuple[int, int]) -> list[float]:
+          windows: tuple[int, int], backends: Backends = Backends()) -> list[float]:
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg, backends).to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     fp8 = cfg.fp8_head
-    head = Fp8Head(backend=cfg.fp8_backend).to(device) if fp8 else None
+    head = Fp8Head(backend=backends.fp8).to(device) if fp8 else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
     n_seq, width = batches[0].shape
     seq_len = width - 1
@@ -57,7 +58,7 @@ def train(cfg: GPTConfig, batches: list[torch.Tensor], device: str, dtype: torch
         hidden = model(ids, cu, seq_len, windows)
         if head is not None:
             head.loss_rows = n
-        loss = lm_head_loss(hidden, model.lm_head, targets, backend=loss_backend, head=head)
+        loss = lm_head_loss(hidden, model.lm_head, targets, backend=backends.loss, head=head)
         (loss * n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,10 +83,10 @@ def test_reference_fp8_training_tracks_fp32_on_cpu():
     """The same comparison on the CPU, small and short: the reference backend end to end."""
     batches = markov_batches(steps=20, n_seq=4, seq_len=64, seed=0, device="cpu", vocab=32)
     kw = dict(num_layers=2, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128, vocab_size=MARKOV_VOCAB,
-              long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None,
-              fp8_backend="reference", attention_backend="sdpa")
-    ref = train(_config(False, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
-    got = train(_config(True, **kw), batches, "cpu", torch.float32, 1e-2, "chunked", (32, 64))
+              long_window_layers=[1], value_embed_layers=[1], skip_from=None, skip_to=None)
+    cpu = Backends(attention="reference", fp8="reference", loss="chunked")
+    ref = train(_config(False, **kw), batches, "cpu", torch.float32, 1e-2, (32, 64), cpu)
+    got = train(_config(True, **kw), batches, "cpu", torch.float32, 1e-2, (32, 64), cpu)
     assert ref[-1] < 0.5 * ref[0], "the reference run must learn"
     # Measured: 0.25% apart after 20 steps; FP8 noise, not a different trajectory.
     assert abs(_tail(got, 5) - _tail(ref, 5)) / _tail(ref, 5) < 0.02, (got[-5:], ref[-5:])
@@ -97,8 +98,8 @@ def test_reference_fp8_training_tracks_fp32_on_cpu():
 def test_fp8_training_tracks_bf16_within_one_percent():
     steps = 200
     batches = markov_batches(steps=steps, n_seq=8, seq_len=1024, seed=1, device="cuda")
-    ref = train(_config(False), batches, "cuda", torch.bfloat16, 2e-3, "auto", (256, 1024))
-    got = train(_config(True), batches, "cuda", torch.bfloat16, 2e-3, "auto", (256, 1024))
+    ref = train(_config(False), batches, "cuda", torch.bfloat16, 2e-3, (256, 1024))
+    got = train(_config(True), batches, "cuda", torch.bfloat16, 2e-3, (256, 1024))
     assert ref[-1] < 0.6 * ref[0], "the bf16 run must learn"
     assert all(map(lambda v: v == v and abs(v) < float("inf"), got))
     gap = abs(_tail(got) - _tail(ref)) / _tail(ref)

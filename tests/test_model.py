@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
+from nanogpt_pl.backends import Backends
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB, TOKENIZER_VOCAB
 from nanogpt_pl.model.attention import attention_sdpa, dense_reference, resolve_backend, segment_positions
 from nanogpt_pl.model.gpt import GPT, GPTConfig
 from nanogpt_pl.model.rotary import Rotary, apply_rotary
+from nanogpt_pl.module import SpeedrunModule
 
 
 def tiny_config(**kw) -> GPTConfig:
@@ -83,6 +86,31 @@ def test_yarn_matches_record_scale_chain():
     assert fresh.attn_scale == rot.attn_scale and torch.equal(fresh.omega, rot.omega)
 
 
+def test_yarn_chain_of_the_configs_scale():
+    """The configs' own attn_scale through the speedrun schedule's short-window chain.
+
+    RECORD §2 starts the narrow chain at 0.13 and ends it at ≈0.1811 (a factor 0.1811/0.13);
+    the configs set their own starting scale, so the chain is checked at that value.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((root / "configs" / "speedrun.yaml").read_text())
+    scale = cfg["model"]["gpt"]["attn_scale"]
+    for name in ("quickstart.yaml", "speedrun_1gpu.yaml"):
+        assert yaml.safe_load((root / "configs" / name).read_text())["model"]["gpt"]["attn_scale"] == scale
+    windows = [st["window_short"] for st in cfg["schedule"]["stages"]]
+    rot = Rotary(64, scale)
+    assert rot.attn_scale == scale
+    for old, new in zip(windows, windows[1:]):
+        if new != old:
+            rot.apply_yarn(old, new)
+    assert [128, 384, 640, 768] == sorted(set(windows))  # RECORD §2's narrow chain
+    assert abs(rot.attn_scale - scale * 0.1811 / 0.13) < 5e-4
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_gpt_forward_backward_and_identity_at_init(seed):
     torch.manual_seed(seed)
@@ -150,11 +178,14 @@ def test_config_errors_name_the_option(field, value, match):
 
 
 def test_gpu_only_attention_backend_on_cpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="attention_backend='varlen' needs a CUDA GPU"):
+    with pytest.raises(RuntimeError, match="model.backends.attention='varlen' needs a CUDA GPU"):
         resolve_backend("varlen", torch.device("cpu"))
     with pytest.raises(ValueError, match="choose one of"):
         resolve_backend("fa3", torch.device("cpu"))
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    # the former name of the plain path points to the new one, in one line
+    with pytest.raises(ValueError, match=r"^model\.backends\.attention='sdpa' \(the plain-PyTorch path is 'reference'"):
+        resolve_backend("sdpa", torch.device("cpu"))
 
 
 def test_flops_per_token_counts_the_head_and_layers():
@@ -162,3 +193,23 @@ def test_flops_per_token_counts_the_head_and_layers():
     f = cfg.flops_per_token(49152, 640, 1408)
     # 6·(matmul params) plus attention; the lm_head alone is 6·768·50304 ≈ 0.23 GFLOP
     assert 6 * 768 * 50304 < f < 3e9
+
+
+def test_the_two_vocabulary_sizes_have_two_names():
+    # RECORD §2: GPT-2's tokenizer yields ids below 50,257; the model's rows are 50,304, padded to 128
+    assert TOKENIZER_VOCAB == 50257 and PADDED_VOCAB == 50304 and PADDED_VOCAB % 128 == 0
+    assert GPTConfig().vocab_size == PADDED_VOCAB
+
+
+def test_model_backends_reach_every_part():
+    cfg = tiny_config(fp8_mlp=True, fp8_head=True, fp8_qkv=True)
+    chosen = Backends(attention="reference", fp8="reference", loss="chunked", polar="reference")
+    module = SpeedrunModule(gpt=cfg, backends=chosen)
+    blocks = module.model.blocks
+    assert {b.attn.spec.backend for b in blocks if b.attn is not None} == {"reference"}
+    fp8_states = [b.attn.fp8_state for b in blocks if b.attn is not None] + [b.mlp.fp8_state for b in blocks
+                                                                            if b.mlp is not None]
+    assert {st.backend for st in fp8_states} == {"reference"} and module.model.fp8_head.state.backend == "reference"
+    assert module.configure_optimizers().parts["matrices"].backend == "reference"
+    assert module.backends.loss == "chunked" and module.hparams["backends"] == chosen
+    assert {b.attn.spec.backend for b in GPT(cfg).blocks if b.attn is not None} == {"auto"}  # default: auto

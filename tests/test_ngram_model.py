@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_schedule, write_markov_shards
 
+import nanogpt_pl.distributed.side_files as side_files
 from nanogpt_pl.distributed.ngram_shard import NgramShard
-from nanogpt_pl.distributed.side_files import RANK_LOCAL_KEY, rank_file
+from nanogpt_pl.distributed.side_files import RANK_LOCAL_KEY, load_rank_local, rank_file
 from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
 from nanogpt_pl.model.embeddings import NgramInput, ngram_row_ids, ngram_sign_rows
 from nanogpt_pl.model.gpt import GPT, GPTConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 ROWS = 1 << 12
 
@@ -133,27 +133,20 @@ def test_gate_init_and_errors():
 
 # -- Lightning end to end ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def toy_files(tmp_path_factory):
-    from train_helpers import write_markov_shards
-
+def ngram_toy_files(tmp_path_factory):
+    # smaller than the shared toy_files: these runs only need a few steps
     return write_markov_shards(tmp_path_factory.mktemp("toy"), n_train=150_000, n_val=20_000)
 
 
 def ngram_run(files, steps: int):
-    from train_helpers import make_run, tiny_gpt, tiny_schedule
-
     sched = tiny_schedule(steps, adam_every=2, sparse_cadence=4, sparse_cadence_start=2)
     return make_run(files, sched, gpt=tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1]), val_tokens=2048)
 
 
 @pytest.mark.slow
-def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(toy_files, tmp_path, monkeypatch):
-    from train_helpers import LossRecorder, make_trainer
-
-    import nanogpt_pl.distributed.side_files as side_files
-
+def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(ngram_toy_files, tmp_path, monkeypatch):
     monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)  # force the side file at one rank
-    module, data = ngram_run(toy_files, 4)
+    module, data = ngram_run(ngram_toy_files, 4)
     rec = LossRecorder()
     trainer = make_trainer(tmp_path, callbacks=[rec])
     trainer.fit(module, data)
@@ -177,17 +170,13 @@ def test_lightning_run_trains_the_table_and_checkpoints_it_per_rank(toy_files, t
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path, monkeypatch):
+def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path, monkeypatch, run_cli, toy_config):
     """devices=2 (gloo, one micro-batch each) vs devices=1 (two micro-batches): same weights, same table."""
     # an earlier in-process Lightning run leaves its rendezvous variables in os.environ; a child
     # CLI that inherits LOCAL_RANK would take itself for a launched rank and wait for its peer
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
                  "PL_SEED_WORKERS"):
         monkeypatch.delenv(name, raising=False)
-    from test_cli import run_cli, toy_config
-    from train_helpers import write_markov_shards
-
-    from nanogpt_pl.distributed.side_files import load_rank_local
 
     files = write_markov_shards(tmp_path / "toy", n_train=150_000, n_val=20_000)
     rows = 1 << 14
@@ -217,19 +206,14 @@ def test_two_gloo_processes_train_the_same_table_as_one_process(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_resume_from_a_side_file_mid_cycle_gives_the_same_losses(toy_files, tmp_path, monkeypatch):
+def test_resume_from_a_side_file_mid_cycle_gives_the_same_losses(ngram_toy_files, tmp_path, monkeypatch):
     """3 steps, checkpoint (with a queued gradient), resume for 3 more == 6 straight steps."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_schedule
-
-    import nanogpt_pl.distributed.side_files as side_files
-
     monkeypatch.setattr(side_files, "INLINE_STATE_LIMIT_BYTES", 0)  # the state goes through the side file
 
     def run():
         # sparse events at steps 0, 1 (every step), then 3, 5; step 2's gradient is queued at the checkpoint
         sched = tiny_schedule(6, adam_every=1, sparse_cadence=2, sparse_cadence_start=2)
-        return make_run(toy_files, sched, gpt=tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1]), val_tokens=2048)
+        return make_run(ngram_toy_files, sched, gpt=tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1]), val_tokens=2048)
 
     module, data = run()
     straight = LossRecorder()

@@ -83,7 +83,7 @@ def test_cascade_maps_singular_values_into_the_envelope(shape, dtype, tol) -> No
         for min_normalized in (P.ENVELOPE_SIGMA_MIN, 1e-2):
             g = controlled(shape, gen, min_normalized)
             assert normalized_min_sigma(g) >= 0.999 * P.ENVELOPE_SIGMA_MIN
-            x = P.polar_cascade(g, backend="torch", dtype=dtype)
+            x = P.polar_cascade(g, backend="reference", dtype=dtype)
             assert x.dtype == dtype and x.shape == g.shape
             lo, hi = P.singular_value_range(x)
             lo_seen, hi_seen = min(lo_seen, lo), max(hi_seen, hi)
@@ -99,19 +99,19 @@ def test_cascade_keeps_singular_vectors(seed: int) -> None:
     g = controlled((40, 56), gen, 1e-2)
     u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
     polar = u @ vh
-    x = P.polar_cascade(g, backend="torch", dtype=torch.float32).double()
+    x = P.polar_cascade(g, backend="reference", dtype=torch.float32).double()
     assert (x - polar).abs().max().item() < 1e-3  # measured <= 1.4e-4
-    x16 = P.polar_cascade(g, backend="torch").double()
+    x16 = P.polar_cascade(g, backend="reference").double()
     assert (x16 - polar).abs().max().item() < 1e-2  # measured <= 5.2e-3
 
 
 def test_cascade_scale_invariance_and_zero() -> None:
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(2, 24, 40, generator=gen)
-    a = P.polar_cascade(g, backend="torch", dtype=torch.float32)
-    b = P.polar_cascade(g * 1e4, backend="torch", dtype=torch.float32)
+    a = P.polar_cascade(g, backend="reference", dtype=torch.float32)
+    b = P.polar_cascade(g * 1e4, backend="reference", dtype=torch.float32)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    z = P.polar_cascade(torch.zeros(2, 8, 12), backend="torch")
+    z = P.polar_cascade(torch.zeros(2, 8, 12), backend="reference")
     assert torch.equal(z, torch.zeros(2, 8, 12, dtype=torch.bfloat16))
 
 
@@ -129,14 +129,17 @@ def test_reference_kernels(seed: int) -> None:
 
 
 def test_backend_choice() -> None:
-    assert P.resolve_backend("auto", torch.device("cpu")) == "torch"
-    assert P.resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert P.resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert P.resolve_backend("reference", torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="choose one of"):
         P.resolve_backend("cuda", torch.device("cpu"))
+    # the former name of the plain path points to the new one, in one line
+    with pytest.raises(ValueError, match=r"^model\.backends\.polar='torch' \(the plain-PyTorch path is 'reference'\)"):
+        P.resolve_backend("torch", torch.device("cpu"))
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(RuntimeError, match="backend='triton' needs a CUDA device"):
+        with pytest.raises(RuntimeError, match=r"model\.backends\.polar='triton' needs a CUDA device"):
             P.polar_cascade(torch.randn(4, 4), backend="triton")
     with pytest.raises(ValueError, match="matrix"):
         P.polar_cascade(torch.randn(5))

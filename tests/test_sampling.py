@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt_pl.ops.lm_head import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
 from nanogpt_pl.ops.sampling import CANDIDATE_MULTIPLE, CandidateSampler
 
 SEEDS = (0, 1, 2)
@@ -29,7 +29,7 @@ def test_candidate_set_contains_targets_unique_exact_size(world_size):
                 c = s.build(torch.from_numpy(t), p, extra=torch.from_numpy(extra))
                 assert c.dtype == torch.int64 and c.numel() == p
                 assert (c[1:] > c[:-1]).all(), "sorted and duplicate-free"
-                assert 0 <= int(c[0]) and int(c[-1]) < VOCAB_SIZE
+                assert 0 <= int(c[0]) and int(c[-1]) < PADDED_VOCAB
                 assert torch.isin(torch.from_numpy(t), c).all()
                 assert torch.isin(torch.from_numpy(extra[extra >= 0]), c).all()
 
@@ -37,14 +37,14 @@ def test_candidate_set_contains_targets_unique_exact_size(world_size):
 def test_sampler_sweep_offsets_and_resume():
     t = zipf_targets(0, 8192)
     starts = [CandidateSampler(rank=r, world_size=8).offset for r in range(8)]
-    assert starts == [VOCAB_SIZE * r // 8 for r in range(8)]
+    assert starts == [PADDED_VOCAB * r // 8 for r in range(8)]
     a = CandidateSampler(rank=3, world_size=8)
     first = a.build(t, 10240)
     unique = np.unique(t).size
-    draw = min(VOCAB_SIZE, int((10240 - unique) * 1.7) + 256)
-    assert a.offset == (starts[3] + draw) % VOCAB_SIZE
+    draw = min(PADDED_VOCAB, int((10240 - unique) * 1.7) + 256)
+    assert a.offset == (starts[3] + draw) % PADDED_VOCAB
     # Negatives are the sweep's window, in order: perm[k] = 20011·k mod V.
-    window = (20011 * np.arange(starts[3], starts[3] + draw)) % VOCAB_SIZE
+    window = (20011 * np.arange(starts[3], starts[3] + draw)) % PADDED_VOCAB
     negs = np.setdiff1d(first.numpy(), np.unique(t))
     fresh = window[~np.isin(window, t)][: 10240 - unique]
     assert set(negs.tolist()) == set(fresh.tolist())
@@ -75,7 +75,7 @@ def test_sampler_errors_name_the_schedule_option():
     many = np.arange(0, 50257, 4)[:12000]
     with pytest.raises(ValueError, match=r"12000 distinct targets.*schedule\.stages\[\*\]\.candidates"):
         s.build(many, 10240)
-    assert torch.equal(s.build(t, VOCAB_SIZE), torch.arange(VOCAB_SIZE))
+    assert torch.equal(s.build(t, PADDED_VOCAB), torch.arange(PADDED_VOCAB))
     with pytest.raises(ValueError, match="coprime"):
         CandidateSampler(stride=2)
     assert CANDIDATE_MULTIPLE == 2048

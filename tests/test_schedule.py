@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
-import yaml
 
+from nanogpt_pl.config_files import load_config
 from nanogpt_pl.schedule import Schedule, Stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_tokens_consumed(record):
 
 @pytest.mark.parametrize("config", ["speedrun.yaml", "speedrun_1gpu.yaml"])
 def test_speedrun_yaml_holds_the_record_table(record, config):
-    cfg = yaml.safe_load((ROOT / "configs" / config).read_text())["schedule"]
+    cfg = load_config(ROOT / "configs" / config)["schedule"]  # speedrun_1gpu.yaml takes it from its base
     cfg["stages"] = [Stage(**s) for s in cfg["stages"]]
     from_yaml = Schedule(**cfg)
     for step in range(record.total_steps):
@@ -127,3 +127,10 @@ def test_bad_schedules_are_named():
     sched = Schedule(stages=[Stage(steps=5, batch_tokens=1536, seq_len=512, max_doc_len=100)])
     with pytest.raises(ValueError, match="not divisible by world_size 2 x seq_len 512"):
         sched.check_world_size(2)
+
+
+def test_run_steps_is_the_schedule_end_or_a_smaller_max_steps(record):
+    # Lightning's max_steps: -1 (and 0 / None) means no limit
+    for no_limit in (None, -1, 0):
+        assert record.run_steps(no_limit) == 1194  # RECORD §9: 1,174 scheduled + 20 extension steps
+    assert record.run_steps(50) == 50 and record.run_steps(1194) == 1194 and record.run_steps(5000) == 1194

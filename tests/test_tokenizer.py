@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt_pl.data.tokenizer import build_prefix_table, get_encoding, mergeable_ranks
-from nanogpt_pl.ops.lm_head import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB, build_prefix_table, get_encoding, mergeable_ranks
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +20,8 @@ def encoding():
 
 
 def test_prefix_table_known_tokens(encoding):
-    table = build_prefix_table(VOCAB_SIZE, encoding)
-    assert table.shape == (VOCAB_SIZE,) and table.dtype == torch.int64
+    table = build_prefix_table(PADDED_VOCAB, encoding)
+    assert table.shape == (PADDED_VOCAB,) and table.dtype == torch.int64
 
     def tok(s: str) -> int:
         ids = encoding.encode(s)
@@ -36,7 +35,7 @@ def test_prefix_table_known_tokens(encoding):
 
 
 def test_prefix_table_is_longest_strict_byte_prefix(encoding):
-    table = build_prefix_table(VOCAB_SIZE, encoding)
+    table = build_prefix_table(PADDED_VOCAB, encoding)
     tb = {i: encoding.decode_single_token_bytes(i) for i in range(50256)}
     by_bytes = {b: i for i, b in tb.items()}
     for i, b in tb.items():
@@ -81,7 +80,7 @@ def test_mergeable_ranks_missing_or_reshaped_raises(encoding):
 
     for enc in (Public(), Reshaped()):
         with pytest.raises(RuntimeError, match=r"_mergeable_ranks .*nanogpt_pl/data/tokenizer\.py mergeable_ranks"):
-            build_prefix_table(VOCAB_SIZE, enc)
+            build_prefix_table(PADDED_VOCAB, enc)
 
 
 def test_prefix_table_vocab_too_small(encoding):

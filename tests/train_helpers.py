@@ -11,6 +11,7 @@ import torch
 
 from nanogpt_pl.data.datamodule import SpeedrunDataModule
 from nanogpt_pl.data.shards import write_shard
+from nanogpt_pl.data.tokenizer import PADDED_VOCAB
 from nanogpt_pl.distributed.strategy import SpeedrunStrategy
 from nanogpt_pl.model.gpt import GPTConfig
 from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule
@@ -61,14 +62,14 @@ def tiny_schedule(steps: int = 20, batch_tokens: int = 1024, seq_len: int = 512,
 
 
 def tiny_gpt(**kw: Any) -> GPTConfig:
-    base = dict(vocab_size=50304, num_layers=3, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
+    base = dict(vocab_size=PADDED_VOCAB, num_layers=3, model_dim=32, num_heads=2, head_dim=16, mlp_hidden=64,
                 long_window_layers=[2], value_embed_layers=[1], skip_from=0, skip_to=2)
     base.update(kw)
     return GPTConfig(**base)
 
 
 def tiny_optim(**kw: Any) -> OptimConfig:
-    flat = AdamGroup(1.0, (0.9, 0.95), 0.0)
+    flat = AdamGroup(lr_mul=1.0, betas=(0.9, 0.95), wd_mul=0.0)
     base = dict(matrix_optimizer="adamw", matrix_lr=3e-3, matrix_weight_decay=0.0, adam_lr=3e-3,
                 adam_weight_decay=0.0, embed=flat, lm_head=flat, value_embeds=flat, scalars=flat)
     base.update(kw)

@@ -124,11 +124,11 @@ def _run(args: argparse.Namespace) -> None:
         for p in paths:
             print(p)
     elif args.command == "tokenizer":
-        from nanogpt_pl.data.tokenizer import seed_cache
+        from nanogpt_pl.data.tokenizer import seed_cache  # each sub-command loads only its own dependencies
 
         print(f"tokenizer cache seeded: {seed_cache(args.source)}")
     elif args.command == "corpus":
-        from nanogpt_pl.data.corpus import build_corpus
+        from nanogpt_pl.data.corpus import build_corpus  # each sub-command loads only its own dependencies
 
         print(build_corpus(args.cache_dir, force=args.force, progress=True).summary())
 

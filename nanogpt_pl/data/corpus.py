@@ -97,7 +97,7 @@ def stdlib_sources(root: Optional[Path] = None) -> list[tuple[str, bytes]]:
 
 def help_topics() -> list[tuple[str, str]]:
     """(name, text) of the interactive help's topics, sorted by name."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # read only when building the corpus
 
     return sorted(topics.items())
 

@@ -10,7 +10,7 @@ import lightning as L
 from nanogpt_pl.data.planning import check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
 from nanogpt_pl.data.stream import TrainStream
-from nanogpt_pl.data.tokenizer import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
 from nanogpt_pl.data.validation import ValidationSet
 from nanogpt_pl.schedule import Schedule
 
@@ -54,7 +54,7 @@ class SpeedrunDataModule(L.LightningDataModule):
         corpus: Optional[str] = None,
         val_tokens: int = RECORD_VAL_TOKENS,
         val_seq_len: int = RECORD_VAL_SEQ_LEN,
-        vocab_size: int = VOCAB_SIZE,
+        vocab_size: int = TOKENIZER_VOCAB,
         prefetch: int = 8,
         epochs: int = 1,
         long_documents: str = "truncate",
@@ -85,7 +85,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     # -- data location -----------------------------------------------------------------
     def _corpus_files(self, build: bool) -> tuple[str, str]:
-        from nanogpt_pl.data.corpus import build_corpus
+        from nanogpt_pl.data.corpus import build_corpus  # the corpus builder loads only for the embedded corpus
 
         info = build_corpus(progress=build)
         return info.train_pattern, info.val_pattern
@@ -129,11 +129,7 @@ class SpeedrunDataModule(L.LightningDataModule):
 
     def stop_step(self) -> int:
         """The stream's last step + 1: the schedule's end, or ``trainer.max_steps`` if smaller."""
-        stop = self.schedule.total_steps
-        trainer = self.trainer
-        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
-            stop = min(stop, trainer.max_steps)
-        return stop
+        return self.schedule.run_steps(None if self.trainer is None else self.trainer.max_steps)
 
     def train_dataloader(self) -> TrainStream:
         """The training stream (an iterable without ``__len__``, resumable via ``state_dict``)."""

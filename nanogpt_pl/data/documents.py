@@ -137,7 +137,7 @@ def iter_documents(paths: Iterable[Path], text_field: str = "text", txt_separato
                     yield value
         elif kind == ".parquet":
             try:
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # pyarrow is optional (parquet input only)
             except ImportError as e:
                 raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
             pf = pq.ParquetFile(path)

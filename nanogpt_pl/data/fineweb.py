@@ -106,6 +106,7 @@ def download(
             f"copy the files there"
         )
 
+    # huggingface_hub only for downloads
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +126,7 @@ def download(
 
 def _fetch_one(name: str, out: Path, endpoint: str, revision: Optional[str]) -> int:
     """Download one shard into ``out`` and verify it; returns its token count."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url  # huggingface_hub only for downloads
 
     path = out / name
     url = hf_hub_url(REPO_ID, name, repo_type=REPO_TYPE, revision=revision, endpoint=endpoint)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards, open_shard, read_header
-from nanogpt_pl.data.tokenizer import EOT_TOKEN, VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import EOT_TOKEN, TOKENIZER_VOCAB
 from nanogpt_pl.schedule import Schedule
 
 # RECORD.md §1: every document is prefixed by <|endoftext|>, which serves as the BOS.
@@ -145,7 +145,7 @@ class ShardSet:
         option: the config option the files came from, named in errors.
     """
 
-    def __init__(self, files: Files, vocab_size: Optional[int] = VOCAB_SIZE, option: str = "data.train_files"):
+    def __init__(self, files: Files, vocab_size: Optional[int] = TOKENIZER_VOCAB, option: str = "data.train_files"):
         if isinstance(files, (str, Path)):
             self.paths = list_shards(files, option)
         else:

@@ -273,7 +273,7 @@ def prepare(
             f"(e.g. {existing[0].name}); pass --overwrite to replace them or choose another --name"
         )
 
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm only while preparing
 
     # shards go to a hidden folder first and move into place only once the whole set is good
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-prepare-", dir=out))

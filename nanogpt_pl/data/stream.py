@@ -28,7 +28,7 @@ from nanogpt_pl.data.planning import (
     to_tensor,
 )
 from nanogpt_pl.data.shards import ShardError
-from nanogpt_pl.data.tokenizer import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
 from nanogpt_pl.schedule import Schedule
 
 STATE_FORMAT = 1
@@ -210,7 +210,7 @@ class TrainStream:
         schedule: Optional[Schedule] = None,
         world_size: int = 1,
         rank: int = 0,
-        vocab_size: Optional[int] = VOCAB_SIZE,
+        vocab_size: Optional[int] = TOKENIZER_VOCAB,
         prefetch: int = 8,
         start_step: int = 0,
         stop_step: Optional[int] = None,

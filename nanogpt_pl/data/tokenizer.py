@@ -33,7 +33,10 @@ WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator / BOS of every document
-VOCAB_SIZE = 50257  # ids the tokenizer can produce; the model pads to 50,304
+TOKENIZER_VOCAB = 50257  # ids the GPT-2 tokenizer can produce (token files hold ids below it)
+# RECORD §2: the model's rows (embeddings, lm_head, candidate sweep) are the tokenizer's ids padded
+# to a multiple of 128; ids 50,257..50,303 never occur in data.
+PADDED_VOCAB = 50304
 
 
 def cache_dir() -> Path:
@@ -125,7 +128,7 @@ def seed_cache(source: str | os.PathLike | None = None) -> Path:
 def get_encoding():
     """tiktoken's ``r50k_base`` encoding, read from the offline cache when seeded."""
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(cache_dir()))
-    import tiktoken
+    import tiktoken  # after TIKTOKEN_CACHE_DIR is set; loads only to tokenize
 
     try:
         return tiktoken.get_encoding(ENCODING_NAME)

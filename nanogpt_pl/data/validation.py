@@ -10,7 +10,7 @@ import torch
 
 from nanogpt_pl.data.planning import BOS_ID, Files, pack_cu_seqlens, to_tensor
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, check_vocab, list_shards, open_shard
-from nanogpt_pl.data.tokenizer import VOCAB_SIZE
+from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
 
 MicroBatch = dict
 # a suggested shorter val_seq_len is rounded down to this, so kernels see familiar shapes
@@ -41,7 +41,7 @@ class ValidationSet:
         val_seq_len: int,
         world_size: int = 1,
         rank: int = 0,
-        vocab_size: Optional[int] = VOCAB_SIZE,
+        vocab_size: Optional[int] = TOKENIZER_VOCAB,
         pin_memory: Optional[bool] = None,
         option: str = "data.val_files",
     ):

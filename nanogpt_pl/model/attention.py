@@ -5,27 +5,42 @@ A micro-batch is one flat sequence of N tokens holding several documents; ``cu_s
 attention segment begins. A query attends to keys of its own segment that are at
 most ``window`` tokens behind it (FlashAttention's left window).
 
-Three kernels compute the same function:
+Four kernels compute the same function:
 
-- ``sdpa``: a dense boolean mask and ``F.scaled_dot_product_attention``; the reference,
-  and the path that trains on CPU (flex attention has no CPU backward in torch 2.13).
+- ``reference``: a dense boolean mask and ``F.scaled_dot_product_attention``; the plain
+  PyTorch path, and the one that trains on CPU (flex attention has no CPU backward in torch 2.13).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen with a
   window); CUDA only, needs d_v == d_qk.
 - ``flex``: compiled ``flex_attention`` with a document + window block mask; CUDA.
+- ``triton``: our FlashAttention-2-style kernels (``nanogpt_pl.ops.triton.attention``); CUDA,
+  any d_qk, d_v in {16, 32, 64, 128}.
 
-``auto`` picks varlen on CUDA when it exists and head sizes match, flex on CUDA
-otherwise, and sdpa on CPU.
+``auto`` picks, on CUDA, varlen for (64, 64) heads and triton for the other layer kinds
+(the fastest measured on the H200), and the reference on CPU. Layers whose value heads are wider than their query/key
+heads (RECORD §2 "narrow") run on flex even when varlen is asked for, because torch's
+varlen kernel needs d_qk == d_v.
+
+The second half of the file holds the record's per-layer attention variants as small
+functions (RECORD §2 "Attention sublayer", "Paired-head layers"), each with a formula
+reference in ``tests/test_attention_kinds.py``, and :class:`CausalSelfAttention`, which
+composes them for one layer.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-BACKENDS = ("auto", "sdpa", "varlen", "flex")
+from ..ops.triton import triton_usable
+from .rotary import apply_rotary
+
+# The choices of `model.backends.attention`; "reference" is the plain-PyTorch path.
+BACKENDS = ("auto", "reference", "varlen", "flex", "triton")
 
 
 def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -42,39 +57,58 @@ def segment_positions(cu_seqlens: Tensor, n: int) -> Tensor:
 
 def _varlen_fn():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # optional: torch >= 2.9
     except ImportError:
         return None
     return varlen_attn
 
 
-def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
-    """Map ``auto`` to a concrete kernel and reject kernels the device cannot run."""
+# ``auto`` on CUDA, from ``benchmarks/attention.py`` on the H200 (fwd+bwd, 49,152 tokens, BENCHMARKS.md):
+# torch's varlen kernel is fastest for (64, 64) heads, our Triton kernel for every other layer kind.
+VARLEN_MAX_HEAD_DIM = 64
+
+
+def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True,
+                    head_dim: Optional[int] = None) -> str:
+    """Map ``auto`` to a concrete kernel and reject kernels the device cannot run.
+
+    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``;
+    ``head_dim`` (d_qk) lets ``auto`` pick per layer kind.
+    """
     if backend not in BACKENDS:
-        raise ValueError(f"model.gpt.attention_backend={backend!r}: choose one of {BACKENDS}")
+        hint = " (the plain-PyTorch path is 'reference')" if backend == "sdpa" else ""
+        raise ValueError(f"model.backends.attention={backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type != "cuda":
-            return "sdpa"
-        if same_head_dims and _varlen_fn() is not None:
+            return "reference"
+        small = head_dim is None or head_dim <= VARLEN_MAX_HEAD_DIM
+        if same_head_dims and small and _varlen_fn() is not None:
             return "varlen"
-        return "flex"
+        if triton_usable(device):
+            return "triton"
+        return "varlen" if same_head_dims and _varlen_fn() is not None else "flex"
     if backend in ("varlen", "flex") and device.type != "cuda":
         raise RuntimeError(
-            f"model.gpt.attention_backend={backend!r} needs a CUDA GPU but the model runs on {device}; "
-            f"use 'sdpa' or 'auto' on CPU"
+            f"model.backends.attention={backend!r} needs a CUDA GPU but the model runs on {device}; "
+            f"use 'reference' or 'auto' on CPU"
+        )
+    if backend == "triton" and not triton_usable(device):
+        raise RuntimeError(
+            f"model.backends.attention='triton' needs a CUDA GPU with triton but the model runs on {device}; "
+            f"use 'reference' or 'auto' on CPU"
         )
     if backend == "varlen":
         if _varlen_fn() is None:
             raise RuntimeError(
-                "model.gpt.attention_backend='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
+                "model.backends.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.9); "
                 "use 'flex' or 'auto'"
             )
-        if not same_head_dims:
-            raise ValueError("model.gpt.attention_backend='varlen' needs equal query and value head sizes; use 'flex'")
+        if not same_head_dims:  # torch's varlen kernel needs d_qk == d_v: narrow layers run on flex
+            return "flex"
     return backend
 
 
-SDPA_BLOCK = 256  # query rows per dense block on the sdpa path
+SDPA_BLOCK = 256  # query rows per dense block on the reference path
 
 
 def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
@@ -116,14 +150,14 @@ _flex_compiled = None
 def _flex():
     global _flex_compiled
     if _flex_compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import flex_attention  # flex attention loads only when chosen
 
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return _flex_compiled
 
 
 def attention_flex(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, scale: float) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # flex attention loads only when chosen
 
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)
@@ -131,7 +165,8 @@ def attention_flex(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: 
     def mask_mod(b, h, qi, ki):
         return (seg[qi] == seg[ki]) & (qi >= ki) & (qi - ki <= window)
 
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    # compiled mask construction: the eager one evaluates mask_mod on the dense n x n grid (OOM at 98k slots)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device, _compile=True)
     out = _flex()(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale
     )
@@ -149,12 +184,18 @@ def packed_attention(
     backend: str,
 ) -> Tensor:
     """Causal windowed attention inside segments. ``backend`` must already be resolved."""
-    if backend == "sdpa":
+    if backend == "reference":
         return attention_sdpa(q, k, v, cu_seqlens, window, scale)
-    if backend == "varlen":
+    if backend == "varlen" and q.shape[-1] == v.shape[-1]:
         return attention_varlen(q, k, v, cu_seqlens, max_seqlen, window, scale)
+    if backend == "varlen":  # torch's varlen kernel rejects d_qk != d_v; flex computes the same function
+        return attention_flex(q, k, v, cu_seqlens, window, scale)
     if backend == "flex":
         return attention_flex(q, k, v, cu_seqlens, window, scale)
+    if backend == "triton":
+        from nanogpt_pl.ops.triton.attention import triton_packed_attention
+
+        return triton_packed_attention(q, k, v, cu_seqlens, max_seqlen, window, scale)
     raise ValueError(f"unresolved attention backend {backend!r}")
 
 
@@ -172,3 +213,227 @@ def dense_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window:
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(dt)
+
+
+# -- the record's per-layer attention variants (RECORD §2) --------------------------------
+QK_NORM_EPS = 1.1920929e-7  # RECORD §2: per-head RMS norm of Q and K, eps = float32 machine epsilon
+XSA_EPS = 1e-8  # floor of ‖v‖² in the XSA projection (the record clamps the denominator there)
+VE_GATE_CHANNELS = 6  # RECORD §2: value-embedding gate reads x̂[:6] and ve[:6]
+QKV_LAMBDA_INIT = 0.5  # RECORD §2 "scalars": λ₀ = 0.5 on the QKV weights
+O_LAMBDA_INIT = 1.0  # RECORD §2 "scalars": λ₁ = 1.0 on W_O
+ATTN_GATE_INIT = 0.25  # RECORD §2: the attention gate starts at 0.25 (bias 2.5 × 0.1)
+# RECORD §2 "Initialization": qk/vo banks ~ U(±√3·0.5·768^-½) = U(±0.03125)
+PROJ_INIT_GAIN = 0.5
+
+
+def paired_positions(positions: Tensor, num_heads: int) -> Tensor:
+    """Rotary position of every (token, head) on a paired layer, ``[N, H]``.
+
+    RECORD §2 "Paired-head layers": as implemented, head ``h`` of token ``t`` rotates at
+    ``2t + (h mod 2)``, not at its sequence slot ``2t + ⌊h / (H/2)⌋``; the quirk is kept.
+    """
+    parity = torch.arange(num_heads, device=positions.device) % 2
+    return 2 * positions[:, None] + parity[None, :]
+
+
+def to_paired(x: Tensor) -> Tensor:
+    """``[N, H, d] -> [2N, H/2, d]``: slot 2t holds heads 0..H/2-1 of token t, slot 2t+1 the rest,
+    so kernel head j sees heads j and j + H/2 as consecutive positions (RECORD §2)."""
+    n, h, d = x.shape
+    return x.reshape(2 * n, h // 2, d)
+
+
+def from_paired(y: Tensor, num_heads: int) -> Tensor:
+    """Inverse of :func:`to_paired`."""
+    return y.reshape(-1, num_heads, y.shape[-1])
+
+
+def shift_keys(k: Tensor) -> Tensor:
+    """RECORD §2 step 4, the key offset: the upper half of every key head (the non-rotating
+    dims 64..127 at the record's width) is replaced by the previous token's normalized key.
+    Token 0 keeps its own. The shift runs over the packed batch, so it crosses document
+    boundaries as the record's does (RECORD §2 "Numerical quirks")."""
+    half = k.shape[-1] // 2
+    upper = torch.cat([k[:1, :, half:], k[:-1, :, half:]])
+    return torch.cat([k[..., :half], upper], dim=-1)
+
+
+def xsa(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """RECORD §2 step 6: y ← y − tanh(α)·((y·v)/‖v‖²)·v per token and head.
+
+    ``y``, ``v`` are ``[N, H, d_v]``; ``alpha`` broadcasts against ``[N, H]``.
+    """
+    dot = (y * v).sum(-1, keepdim=True)
+    denom = v.square().sum(-1, keepdim=True).clamp_min(XSA_EPS)
+    return y - torch.tanh(alpha).type_as(y)[..., None] * (dot / denom) * v
+
+
+def live_rows(w: Tensor, num_heads: int, width: int) -> Tensor:
+    """Rows ``0..width-1`` of every head's block of ``w [H·head_dim, D]``; the rest are the dead rows
+    of narrow and dv64 layers (RECORD §2: drawn at init, never read, so they get no gradient)."""
+    if width * num_heads == w.shape[0]:
+        return w
+    return w.view(num_heads, -1, w.shape[-1])[:, :width].reshape(num_heads * width, w.shape[-1])
+
+
+def live_row_blocks(w: Tensor, num_heads: int, width: int) -> tuple[Tensor, ...]:
+    """:func:`live_rows` as contiguous views of ``w``: one block per head, or ``w`` itself."""
+    if width * num_heads == w.shape[0]:
+        return (w,)
+    hd = w.shape[0] // num_heads
+    return tuple(w[h * hd:h * hd + width] for h in range(num_heads))
+
+
+@dataclass
+class AttentionSpec:
+    """Shape and variant of one attention layer (built by the GPT from its config).
+
+    Args:
+        model_dim: residual width.
+        num_heads: heads.
+        head_dim: stored head size (rows per head in the weights; the V/O size of a wide layer).
+        d_qk: query/key width per head (RECORD §2: 64 narrow and dv64, 128 wide).
+        d_v: value width per head (RECORD §2: 64 on dv64 layers, else 128).
+        chain: ``short`` or ``long``: which window, rotary table and softmax scale it uses.
+        paired: RECORD §2 paired heads (doubled sequence).
+        key_offset: RECORD §2 step 4.
+        xsa: RECORD §2 step 6.
+        gate: RECORD §2 step 7 (per-head output gate).
+        dynamic_gates: the XSA α and attention gate come from the MUDD gates at forward time;
+            otherwise each is a learned per-head parameter here.
+        value_embed: the layer adds a gated value embedding to its values.
+        backend: attention kernel (see :func:`resolve_backend`).
+        fp8_qkv: run the QKV projection in FP8.
+        fp8_backend: FP8 backend.
+        fp8_qkv_x_scale: static FP8 scale of the QKV input (None = the clip-free default of
+            ``ops.fp8``; the record's is 8/448, clamping |x| > 8, RECORD §7).
+        qkv_lambda_init: λ₀, the scalar on the QKV weights.
+    """
+
+    model_dim: int
+    num_heads: int
+    head_dim: int
+    d_qk: int
+    d_v: int
+    chain: str = "short"
+    paired: bool = False
+    key_offset: bool = False
+    xsa: bool = False
+    gate: bool = False
+    dynamic_gates: bool = False
+    value_embed: bool = False
+    backend: str = "auto"
+    fp8_qkv: bool = False
+    fp8_backend: str = "auto"
+    fp8_qkv_x_scale: Optional[float] = None
+    qkv_lambda_init: float = QKV_LAMBDA_INIT
+
+
+class CausalSelfAttention(nn.Module):
+    """One attention sublayer of the record (RECORD §2 "Attention sublayer", steps 1–8).
+
+    Weights are stored at full head width whatever the layer's widths: ``qk_w [2, H·hd, D]``
+    (Q then K), ``v_w [H·hd, D]`` and ``o_w [D, H·hd]`` with rows over output channels (the
+    record's W_O layout, so the optimizer's lanes run over output channels). Narrow and
+    dv64 layers read the first ``d_qk`` / ``d_v`` rows of each head (columns of W_O).
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        s = self.spec = spec
+        if s.d_qk > s.head_dim or s.d_v > s.head_dim:
+            raise ValueError(f"attention widths (d_qk={s.d_qk}, d_v={s.d_v}) exceed head_dim={s.head_dim}")
+        if s.paired and s.num_heads % 2:
+            raise ValueError(f"paired heads need an even number of heads, got {s.num_heads}")
+        hd_total = s.num_heads * s.head_dim
+        bound = math.sqrt(3) * PROJ_INIT_GAIN * s.model_dim**-0.5
+        self.qk_w = nn.Parameter(torch.empty(2, hd_total, s.model_dim).uniform_(-bound, bound))
+        self.v_w = nn.Parameter(torch.empty(hd_total, s.model_dim).uniform_(-bound, bound))
+        self.o_w = nn.Parameter(torch.zeros(s.model_dim, hd_total))
+        # (λ₀ on the QKV weights, λ₁ on W_O): RECORD §2 "scalars"
+        self.lambdas = nn.Parameter(torch.tensor([s.qkv_lambda_init, O_LAMBDA_INIT]))
+        # RECORD §2: v += 2·σ(W_g·[x̂[:6], ve[:6]])·ve, W_g zero-initialized so the gate starts at 1.
+        self.ve_gate = (nn.Parameter(torch.zeros(s.num_heads, 2 * VE_GATE_CHANNELS))
+                        if s.value_embed else None)
+        if not s.dynamic_gates:
+            if s.xsa:
+                self.xsa_alpha = nn.Parameter(torch.zeros(s.num_heads))  # tanh(0) = 0: XSA starts off
+            if s.gate:
+                self.gate = nn.Parameter(torch.full((s.num_heads,), ATTN_GATE_INIT))
+        if s.fp8_qkv:
+            from ..ops.fp8 import Fp8LinearState  # FP8 (and Triton) load only when used
+
+            # one exact weight scale per refresh over the layer's packed live QK‖V rows (RECORD §7)
+            scale = {} if s.fp8_qkv_x_scale is None else {"x_scale": s.fp8_qkv_x_scale}
+            self.fp8_state = Fp8LinearState(backend=s.fp8_backend, **scale)
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s, n = self.spec, x.shape[0]
+        parts = (live_rows(self.qk_w[0], s.num_heads, s.d_qk), live_rows(self.qk_w[1], s.num_heads, s.d_qk),
+                 live_rows(self.v_w, s.num_heads, s.d_v))
+        if s.fp8_qkv and self.training:
+            from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
+
+            # row blocks that are views of the parameters, so the FP8 cache follows their versions
+            blocks = (*live_row_blocks(self.qk_w[0], s.num_heads, s.d_qk),
+                      *live_row_blocks(self.qk_w[1], s.num_heads, s.d_qk),
+                      *live_row_blocks(self.v_w, s.num_heads, s.d_v))
+            qkv = fp8_linear(x, blocks, self.fp8_state)
+        else:
+            qkv = x @ torch.cat(parts).type_as(x).t()
+        qkv = qkv * self.lambdas[0].type_as(qkv)  # λ₀ folded after the GEMM: the same product
+        hq = s.num_heads * s.d_qk
+        q, k, v = qkv.split((hq, hq, s.num_heads * s.d_v), dim=-1)
+        return q.view(n, s.num_heads, s.d_qk), k.view(n, s.num_heads, s.d_qk), v.view(n, s.num_heads, s.d_v)
+
+    def gated_value_embed(self, x: Tensor, ve: Tensor) -> Tensor:
+        """2·σ(W_g·[x̂[:6], ve[:6]])·ve per head, ``[N, H, head_dim]``."""
+        s = self.spec
+        gate_in = torch.cat([x[:, :VE_GATE_CHANNELS], ve[:, :VE_GATE_CHANNELS]], dim=-1)
+        gate = 2 * torch.sigmoid(gate_in @ self.ve_gate.type_as(x).t())
+        return gate[..., None] * ve.view(-1, s.num_heads, s.head_dim)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Any,
+        ve: Optional[Tensor] = None,
+        extra_v: Optional[Tensor] = None,
+        xsa_alpha: Optional[Tensor] = None,
+        gate: Optional[Tensor] = None,
+        o_gain: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``x``: the normed attention input ``[N, D]``; ``ctx``: the GPT's packed context.
+
+        ``ve`` is gated by this layer's own VE gate; ``extra_v`` ``[N, H, head_dim]`` is added to
+        the values as is (layer 10's MUDD values). ``xsa_alpha`` ``[N, H]`` and ``gate`` ``[N, H]``
+        are the MUDD gates when ``dynamic_gates``. ``o_gain`` (the post-lambda) multiplies W_O.
+        """
+        s, n = self.spec, x.shape[0]
+        q, k, v = self._qkv(x)
+        q, k = F.rms_norm(q, (s.d_qk,), eps=QK_NORM_EPS), F.rms_norm(k, (s.d_qk,), eps=QK_NORM_EPS)
+        cos, sin = (ctx.rotary_paired if s.paired else ctx.rotary)[s.chain]
+        cos, sin = cos[..., : s.d_qk // 2], sin[..., : s.d_qk // 2]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if s.key_offset:
+            k = shift_keys(k)
+        if ve is not None:
+            v = v + self.gated_value_embed(x, ve)[..., : s.d_v]
+        if extra_v is not None:
+            v = v + extra_v[..., : s.d_v]
+        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v, head_dim=s.d_qk)
+        window, scale = ctx.windows[s.chain], ctx.scales[s.chain]
+        if s.paired:
+            y = packed_attention(to_paired(q), to_paired(k), to_paired(v), 2 * ctx.cu_seqlens,
+                                 2 * ctx.max_seqlen, window, scale, backend)
+            y = from_paired(y, s.num_heads)
+        else:
+            y = packed_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, window, scale, backend)
+        if s.xsa:
+            y = xsa(y, v, xsa_alpha if s.dynamic_gates else self.xsa_alpha)
+        if s.gate:
+            y = y * (gate if s.dynamic_gates else self.gate).type_as(y)[..., None]
+        w_o = self.o_w if s.d_v == s.head_dim else self.o_w.view(s.model_dim, s.num_heads, s.head_dim)[
+            :, :, : s.d_v].reshape(s.model_dim, s.num_heads * s.d_v)
+        gain = self.lambdas[1] if o_gain is None else self.lambdas[1] * o_gain
+        return y.reshape(n, -1) @ (gain.type_as(y) * w_o.type_as(y)).t()

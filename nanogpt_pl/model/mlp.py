@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 # RECORD §2: c_fc ~ U(±√3·0.5·dim^-½)
 FC_INIT_GAIN = 0.5
-PROJ_LR_MUL = 2.0  # RECORD §8: per-matrix lr multiplier of c_proj
 
 
 class MLP(nn.Module):
@@ -28,17 +27,15 @@ class MLP(nn.Module):
         self.proj_w = nn.Parameter(torch.zeros(hidden, dim))
         bound = math.sqrt(3) * FC_INIT_GAIN * dim**-0.5
         nn.init.uniform_(self.fc_w, -bound, bound)
-        # RECORD §8: the optimizer runs c_proj at twice the lr of c_fc
-        self.proj_w.anvil_lr_mul = PROJ_LR_MUL
         self.fp8 = fp8
         if fp8:
-            from ..ops.fp8 import Fp8MLPState
+            from ..ops.fp8 import Fp8MLPState  # FP8 (and Triton) load only when used
 
             self.fp8_state = Fp8MLPState(backend=fp8_backend)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 and self.training:
-            from ..ops.fp8 import fp8_mlp
+            from ..ops.fp8 import fp8_mlp  # FP8 (and Triton) load only when used
 
             return fp8_mlp(x, self.fc_w, self.proj_w, self.fp8_state)
         h = F.relu(x @ self.fc_w.type_as(x).t()).square()

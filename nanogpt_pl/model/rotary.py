@@ -74,9 +74,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs of ``x`` [N, H, head_dim] by angles with cos/sin [N, head_dim // 2]."""
+    """Rotate interleaved pairs of ``x`` [N, H, head_dim] by angles with cos/sin [N, head_dim // 2]
+    (one angle per token) or [N, H, head_dim // 2] (per token and head: paired layers)."""
     x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
     y_even = x_even * cos + x_odd * sin
     y_odd = x_odd * cos - x_even * sin
     return torch.stack((y_even, y_odd), dim=-1).flatten(-2)

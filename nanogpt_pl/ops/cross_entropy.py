@@ -49,7 +49,7 @@ SOFTCAP_MAX = 23.0
 SOFTCAP_SHIFT = 5.0
 SOFTCAP_WIDTH = 7.5
 
-# The choices of `model.loss_backend`; "reference" is the plain-PyTorch path.
+# The choices of `model.backends.loss`; "reference" is the plain-PyTorch path.
 BACKENDS = ("auto", "reference", "chunked", "triton")
 
 _DEFAULT_HEAD = TorchHeadMatmul()
@@ -263,9 +263,9 @@ def _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_tar
 
 
 def check_backend(backend: str) -> None:
-    """Raise a one-line error naming ``model.loss_backend`` unless ``backend`` is one of ``BACKENDS``."""
+    """Raise a one-line error naming ``model.backends.loss`` unless ``backend`` is one of ``BACKENDS``."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.loss_backend (lm_head_loss's "
+        raise ValueError(f"unknown backend {backend!r} of the lm_head loss: model.backends.loss (lm_head_loss's "
                          f"backend) takes one of {', '.join(BACKENDS)}")
 
 

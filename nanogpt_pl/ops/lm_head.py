@@ -14,16 +14,16 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "HeadMatmul", "TorchHeadMatmul", "FusedLinearLoss", "default_chunk_rows", "GPU_CHUNK_ELEMENTS"]
+from ..data.tokenizer import PADDED_VOCAB
 
-# RECORD §2: the tokenizer's 50,257 ids padded to 50,304 rows of the lm_head.
-VOCAB_SIZE = 50304
+__all__ = ["HeadMatmul", "TorchHeadMatmul", "FusedLinearLoss", "default_chunk_rows", "GPU_CHUNK_ELEMENTS"]
+
 # Logits held at once by the fused path: ~8192 rows of the full vocabulary (0.82 GB in
 # bf16). On an H200 a 8192 × 768 × 50,304 GEMM already fills all 132 SMs many times over,
 # so larger chunks buy no GEMM efficiency, only memory; smaller ones add launches and
 # re-read the weight once more per chunk. The chunk count is rounded up, then rows are
 # spread evenly (49,152 rows: 6 chunks of 8,192 at P = 50,304, 2 of 24,576 at P = 10,240).
-GPU_CHUNK_ELEMENTS = 8192 * VOCAB_SIZE
+GPU_CHUNK_ELEMENTS = 8192 * PADDED_VOCAB
 # On the CPU (reference-like sizes, fp32): 64 Mi logits = 256 MiB per chunk.
 CPU_CHUNK_ELEMENTS = 1 << 26
 # Chunk rows are rounded to this multiple so GEMM row tiles stay whole.

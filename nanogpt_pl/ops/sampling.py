@@ -13,7 +13,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from .lm_head import VOCAB_SIZE
+from ..data.tokenizer import PADDED_VOCAB
 
 __all__ = ["CANDIDATE_MULTIPLE", "CandidateSampler"]
 
@@ -48,7 +48,7 @@ class CandidateSampler:
         multiple: ``num_candidates`` must be a multiple of this (RECORD §6: 2048).
     """
 
-    def __init__(self, vocab_size: int = VOCAB_SIZE, rank: int = 0, world_size: int = 1,
+    def __init__(self, vocab_size: int = PADDED_VOCAB, rank: int = 0, world_size: int = 1,
                  stride: int = SAMPLER_STRIDE, multiple: int = CANDIDATE_MULTIPLE) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"CandidateSampler: rank {rank} is not in [0, world_size={world_size})")

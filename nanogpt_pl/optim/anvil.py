@@ -28,8 +28,9 @@ per row or column.
 
 **Banks and sharding.** Matrices of equal shape (within a param group and dtype) form a bank,
 ordered as the parameters are given. A parameter is viewed as ``(-1, rows, cols)``: its last
-two dims, or the shape in its ``anvil_block`` attribute (e.g. ``qk_w [2, 768, 768]`` with
-``anvil_block = (256, 768)`` is six 256×768 matrices, two heads of Q or K each). With ``W``
+two dims, or the block shape its param group lists for it (``group["blocks"]``, built by
+``nanogpt_pl.optim.groups`` from parameter names; e.g. ``qk_w [2, 768, 768]`` in blocks of
+(256, 768) is six 256×768 matrices, two heads of Q or K each). With ``W``
 ranks each bank is padded to a multiple of ``W`` matrices; rank ``k`` owns the ``k``-th
 contiguous slice. A step stacks each bank's gradients, launches every bank's
 reduce-scatter (average) at once, then works bank by bank: wait for its gradient shard,
@@ -178,6 +179,7 @@ class _Fused:
         try:
             out = self.compiled(*args)
         except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            # error path only; torch._dynamo is slow to import
             from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError, Unsupported
 
             if not isinstance(err, (BackendCompilerFailed, Unsupported, TorchRuntimeError)):
@@ -287,9 +289,11 @@ class Anvil(torch.optim.Optimizer):
 
     Args:
         params: matrices (or param groups). Each parameter is viewed as ``(-1, rows, cols)``
-            with ``(rows, cols)`` its ``anvil_block`` attribute or, by default, its last two dims.
-            An optional ``anvil_lr_mul`` attribute (a float, or one float per matrix) scales its
-            lr (RECORD §8: 2.0 for the MLP output projection, 0.0 freezes a matrix).
+            with ``(rows, cols)`` its entry in the group's ``blocks`` list (aligned with
+            ``params``; ``nanogpt_pl.optim.groups`` builds it from parameter names), else its
+            ``anvil_block`` attribute, else its last two dims. The group's ``lr_muls`` list (or
+            an ``anvil_lr_mul`` attribute; a float, or one float per matrix) scales its lr
+            (RECORD §8: 2.0 for the MLP output projection, 0.0 freezes a matrix).
         lr: base lr (RECORD §8: 0.023). The schedule multiplies it into ``group["lr"]`` each step.
         momentum: μ of the Nesterov lookahead, and β of the fast rail before the engage step;
             the schedule sets ``group["momentum"]`` each step (RECORD §8: 0.85 → 0.93 → 0.85).
@@ -301,7 +305,7 @@ class Anvil(torch.optim.Optimizer):
         fast_beta_engaged: β of the fast rail once engaged (0.85).
         engage_step: first step (0-based) of the blend (514).
         maps: the cascade's (a, b, c) coefficients (default: the record's ``ANVIL_MAPS``).
-        backend: ``auto``, ``torch`` or ``triton`` for the cascade's Gram/polynomial kernels.
+        backend: ``auto``, ``reference`` or ``triton`` for the cascade's Gram/polynomial kernels.
         compile: fuse the elementwise parts with torch.compile (None = off: on the H200 the
             compiled update of one rank's share took 10.1 ms against 4.2 ms eager, BENCHMARKS.md).
         cuda_graph: capture each bank's local work (copy of the owned matrices, rails, cascade,
@@ -382,7 +386,7 @@ class Anvil(torch.optim.Optimizer):
                 if id(p) in seen:
                     raise ValueError(f"Anvil got the parameter of shape {tuple(p.shape)} twice; pass each matrix once")
                 seen.add(id(p))
-        if getattr(self, "_ready", False):
+        if self._ready:  # set before Optimizer.__init__ adds the first groups
             self._check_params()
             self._scalars = _ScalarStager(len(self.param_groups), self.device)
             for bank in self._banks:  # their graphs read the old scalar buffer
@@ -392,7 +396,11 @@ class Anvil(torch.optim.Optimizer):
     def _check_params(self) -> torch.device:
         devices = set()
         for group in self.param_groups:
-            for p in group["params"]:
+            for name in ("blocks", "lr_muls"):
+                if name in group and len(group[name]) != len(group["params"]):
+                    raise ValueError(f"Anvil: a param group's {name!r} has {len(group[name])} entries for "
+                                     f"{len(group['params'])} parameters")
+            for j, p in enumerate(group["params"]):
                 devices.add(p.device)
                 if p.dtype not in (torch.float32, torch.bfloat16):
                     raise ValueError(f"Anvil supports float32 and bfloat16 parameters, got {p.dtype} "
@@ -400,7 +408,7 @@ class Anvil(torch.optim.Optimizer):
                 if not p.is_contiguous():
                     raise ValueError(f"Anvil needs contiguous parameters (shape {tuple(p.shape)}); "
                                      f"make it contiguous before building the optimizer")
-                rows, cols = self._block_of(p)
+                rows, cols = self._block_of(p, group, j)
                 # a block is whole rows of the parameter's last two dims, so the (-1, rows, cols) view
                 # cuts real submatrices
                 if p.dim() < 2 or p.shape[-1] != cols or p.shape[-2] % rows:
@@ -412,8 +420,8 @@ class Anvil(torch.optim.Optimizer):
         return devices.pop() if devices else torch.device("cpu")
 
     @staticmethod
-    def _block_of(p: Tensor) -> tuple[int, int]:
-        block = getattr(p, "anvil_block", None)
+    def _block_of(p: Tensor, group: Optional[dict] = None, j: int = 0) -> tuple[int, int]:
+        block = group["blocks"][j] if group is not None and "blocks" in group else getattr(p, "anvil_block", None)
         if block is None:
             if p.dim() < 2:
                 raise ValueError(f"Anvil orthogonalizes matrices; got a parameter of shape {tuple(p.shape)}. "
@@ -424,8 +432,8 @@ class Anvil(torch.optim.Optimizer):
         return int(block[0]), int(block[1])
 
     @staticmethod
-    def _lr_muls(p: Tensor, count: int) -> list[float]:
-        mul = getattr(p, "anvil_lr_mul", 1.0)
+    def _lr_muls(p: Tensor, count: int, group: Optional[dict] = None, j: int = 0) -> list[float]:
+        mul = group["lr_muls"][j] if group is not None and "lr_muls" in group else getattr(p, "anvil_lr_mul", 1.0)
         if isinstance(mul, (int, float)):
             return [float(mul)] * count
         muls = [float(m) for m in mul]
@@ -434,17 +442,18 @@ class Anvil(torch.optim.Optimizer):
         return muls
 
     def _build_banks(self, gi: int) -> None:
-        entries: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
-        for p in self.param_groups[gi]["params"]:
-            rows, cols = self._block_of(p)
-            entries.setdefault((rows, cols, p.dtype), []).append(p)
+        group = self.param_groups[gi]
+        entries: dict[tuple[int, int, torch.dtype], list[tuple[Tensor, int]]] = {}
+        for j, p in enumerate(group["params"]):
+            rows, cols = self._block_of(p, group, j)
+            entries.setdefault((rows, cols, p.dtype), []).append((p, j))
         w, k = self.world_size, self.rank
         for (rows, cols, dtype), ps in entries.items():
             pieces, muls, start = [], [], 0
-            for p in ps:
+            for p, j in ps:
                 n = p.numel() // (rows * cols)
                 pieces.append((p, start, n))
-                muls += self._lr_muls(p, n)
+                muls += self._lr_muls(p, n, group, j)
                 start += n
             count = start
             lo, hi, per_rank = row_range(count, w, k)

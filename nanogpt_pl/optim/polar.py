@@ -51,7 +51,8 @@ ENVELOPE_SIGMA_MIN = 3e-3
 ENVELOPE = (0.99507, 1.00040)
 TAIL_GAIN = 643.13
 
-BACKENDS = ("auto", "torch", "triton")
+# The choices of `model.backends.polar`; "reference" is the plain-PyTorch path.
+BACKENDS = ("auto", "reference", "triton")
 
 
 def composite_map(sigma: Tensor, maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS) -> Tensor:
@@ -84,23 +85,24 @@ def matmul_add_reference(left: Tensor, right: Tensor, x: Tensor, coef_a: float) 
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``torch`` or ``triton`` for ``backend`` on ``device``; raises for an impossible choice.
+    """``reference`` or ``triton`` for ``backend`` on ``device``; raises for an impossible choice.
 
     ``auto`` picks PyTorch: on the H200 at the record's shapes the cuBLAS cascade beat the
     Triton kernels for 256x768 and 768x768 banks (0.80 vs 1.24 ms, 0.74 vs 1.46 ms;
     BENCHMARKS.md, benchmarks/optimizer_step.py). ``triton`` selects the kernels explicitly.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
-    if backend in ("torch", "auto"):
-        return "torch"
+        hint = " (the plain-PyTorch path is 'reference')" if backend == "torch" else ""
+        raise ValueError(f"model.backends.polar={backend!r}{hint}: choose one of {', '.join(BACKENDS)}")
+    if backend in ("reference", "auto"):
+        return "reference"
     usable = triton_usable(device)
     if backend == "triton" and not usable:
         raise RuntimeError(
-            f"backend='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to debug on CPU); "
-            f"the tensors are on {device}: use backend='torch' or 'auto'"
+            f"model.backends.polar='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); the tensors are on {device}: use 'reference' or 'auto'"
         )
-    return "triton" if usable else "torch"
+    return "triton" if usable else "reference"
 
 
 def polar_cascade(
@@ -114,7 +116,7 @@ def polar_cascade(
     Args:
         g: a matrix ``[rows, cols]`` or a batch ``[..., rows, cols]``, any float dtype.
         maps: the (a, b, c) coefficients of each map, in order.
-        backend: ``auto``, ``torch`` or ``triton`` (Triton needs CUDA, or ``TRITON_INTERPRET=1``).
+        backend: ``auto``, ``reference`` or ``triton`` (Triton needs CUDA, or ``TRITON_INTERPRET=1``).
         dtype: working dtype of the cascade: bf16 (the record) or fp32 (the PyTorch backend only;
             used to measure how much of the error is bf16 rounding).
     """
@@ -128,10 +130,10 @@ def polar_cascade(
         raise ValueError(f"polar_cascade dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     if which == "triton" and dtype != torch.bfloat16:
         if backend == "triton":
-            raise ValueError("the Triton cascade runs in bf16 only; use backend='torch' for dtype=float32")
-        which = "torch"
+            raise ValueError("the Triton cascade runs in bf16 only; use backend='reference' for dtype=float32")
+        which = "reference"
     if which == "triton":
-        from ..ops.triton import polar as kernels
+        from ..ops.triton import polar as kernels  # Triton is optional: its kernels load only when chosen
 
         gram_fn, poly_fn, mm_fn = kernels.gram, kernels.poly_square, kernels.matmul_add
     else:

@@ -30,8 +30,8 @@ from .formats import (
     quantize,
 )
 
-# The choices of ``model.gpt.fp8_backend`` (and of every FP8 state's ``backend``).
-BACKEND_KEY = "model.gpt.fp8_backend"
+# The choices of ``model.backends.fp8`` (and of every FP8 state's ``backend``).
+BACKEND_KEY = "model.backends.fp8"
 BACKENDS = ("auto", "reference", "scaled_mm")
 
 

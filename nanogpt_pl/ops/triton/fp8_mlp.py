@@ -34,10 +34,10 @@ import triton.language as tl
 from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
 
 # The ReLU² pass (bf16 in, e4m3 row-major and transposed out) at 49,152 x 2,816 on the H200:
-# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (notes/fp8_diag3.py).
+# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (`benchmarks/fp8_mlp.py --tile-sweep`).
 _GPU_TILE = (64, 128)
 # The dpre pass alone (no transposed store) at 49,152 x 2,816 on the H200: 0.217 ms with 32x128
-# tiles against 0.349 ms with 128x128 (notes/fp8_diag2.py).
+# tiles against 0.349 ms with 128x128 (BENCHMARKS.md "FP8").
 _DPRE_TILE = (32, 128)
 # GEMM tiles for H100/H200 FP8 (K-major operands, wgmma): 3 stages of 32 KiB fit in
 # shared memory twice over, so two CTAs per SM overlap one's epilogue with the other's loads.
@@ -187,7 +187,7 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, m, n, BLOCK_M: tl.constexpr, BLOCK
 
 
 # (64, 128) tiles, 4 warps: 0.086 ms for a 49,152 x 2,816 byte tile on the H200, against 0.91 ms
-# for PyTorch's row.t().contiguous() (notes/fp8_diag2.py).
+# for PyTorch's row.t().contiguous() (BENCHMARKS.md "FP8").
 _TRANSPOSE_TILE = (64, 128)
 
 
@@ -197,7 +197,7 @@ def transpose_bytes(row: torch.Tensor, block: tuple[int, int] = _TRANSPOSE_TILE)
     The e5m2 (backward) tiles are transposed here rather than in the kernels that compute
     them: on the H200 (triton 3.6) the dpre kernels' own transposed stores wrote wrong bytes,
     whether the tile was stored as e5m2 or as its uint8 bit pattern and for every tile shape
-    tried (notes/fp8_diag2.py, tests/test_fp8_layouts.py); a kernel that only moves bytes
+    tried (BENCHMARKS.md "FP8", tests/test_fp8_layouts.py); a kernel that only moves bytes
     writes them right.
     """
     assert row.ndim == 2 and row.is_contiguous() and row.element_size() == 1

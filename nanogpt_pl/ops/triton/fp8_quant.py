@@ -30,7 +30,7 @@ E5M2_MAX = 57344.0
 _RNE_MAGIC = tl.constexpr(12582912.0)
 
 # 64 x 128 tiles, 4 warps: 0.088 ms for a 49,152 x 768 bf16 -> e4m3/e5m2 dual pass on the H200,
-# against 0.093 / 0.110 ms with 128 x 128 (notes/fp8_diag3.py).
+# against 0.093 / 0.110 ms with 128 x 128 (`benchmarks/fp8_mlp.py --tile-sweep`).
 _GPU_TILE = (64, 128)
 
 

@@ -223,7 +223,7 @@ def _check(*ts: Tensor) -> None:
     if dev.type != "cuda" and not INTERPRET:
         raise RuntimeError(
             "the Triton polar kernels need a CUDA tensor (or TRITON_INTERPRET=1 for debugging on CPU); "
-            "use backend='torch' on CPU"
+            "use backend='reference' on CPU"
         )
     for t in ts:
         if t.device != dev:

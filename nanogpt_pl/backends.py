@@ -1,0 +1,40 @@
+"""Which implementation each numerical part runs: the one ``model.backends`` section.
+
+Every numerical trick has a plain PyTorch path, named ``reference`` in every section (it runs
+anywhere), and fast paths; the choice of each lives here, so a run's YAML names all of them in
+one place::
+
+    model:
+      backends: {attention: auto, fp8: auto, loss: auto, polar: auto}
+
+``auto`` picks the fast path on a CUDA GPU and the reference elsewhere. The values are
+handed unchanged to the parts that resolve them; each part's own check names the choices it
+accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
+former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Backends:
+    """Implementation choices; YAML keys under ``model.backends``.
+
+    Args:
+        attention: document-masked windowed attention (``nanogpt_pl.model.attention``): ``auto``,
+            ``reference`` (dense masked SDPA, the CPU path), or the CUDA kernels ``varlen`` / ``flex``.
+        fp8: the FP8 matmuls of the MLP, QKV and lm_head (``nanogpt_pl.ops.fp8``): ``auto``,
+            ``reference`` (quantize, dequantize, fp32 matmul) or ``scaled_mm`` (CUDA, sm_89+).
+        loss: the softcapped (sampled) cross-entropy of training (``nanogpt_pl.ops.cross_entropy``):
+            ``auto``, ``reference`` (autograd on fp32 logits), ``chunked`` (the fused algorithm in
+            PyTorch) or ``triton``.
+        polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
+            ``triton``.
+    """
+
+    attention: str = "auto"
+    fp8: str = "auto"
+    loss: str = "auto"
+    polar: str = "auto"

@@ -1,0 +1,207 @@
+"""``nanogpt-pl ablate | plot | generate`` run for real on the quickstart model (tiny overrides, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the quickstart config at a size that trains a step in a fraction of a second on one core
+TINY = ["--model.gpt.num_layers", "2", "--model.gpt.model_dim", "32", "--model.gpt.mlp_hidden", "64",
+        "--model.gpt.head_dim", "16", "--model.gpt.long_window_layers", "[1]", "--model.gpt.value_embed_layers", "[1]",
+        "--model.gpt.skip_from", "null", "--model.gpt.skip_to", "null", "--trainer.enable_progress_bar", "false",
+        "--trainer.log_every_n_steps", "1", "--data.val_tokens", "4096", "--data.val_seq_len", "4096",
+        "--schedule.stages", "[{steps: 20, batch_tokens: 2048, seq_len: 1024, max_doc_len: 512, window_short: 128, "
+        "window_long: 512, candidates: 2048}]", "--schedule.val_window_short", "128",
+        "--schedule.val_window_long", "384", "--schedule.warmup_steps", "2"]
+STEPS = 6
+OVERLAYS = ["adamw_matrices", "no_fp8"]
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+               "PL_SEED_WORKERS")
+
+
+def nanogpt_pl(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "nanogpt_pl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def ablate_args(out: Path) -> list[str]:
+    return ["ablate", "--config", "configs/quickstart.yaml", "--steps", str(STEPS), "--ablations", *OVERLAYS,
+            "--out-dir", str(out), "--", *TINY]
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ablate")
+    done = nanogpt_pl(ablate_args(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+@pytest.mark.slow
+def test_ablate_writes_the_table_and_plots(ablation):
+    out, done = ablation
+    text = (out / "ablation.md").read_text()
+    assert done.stdout == text
+    assert "| run | val loss | valΔ (mn) | tokens/s | time (s) | wallΔ (s) |" in text
+    rows = table_rows(text)
+    assert list(rows) == ["base", *OVERLAYS]
+    results = {name: json.loads((out / name / "result.json").read_text()) for name in rows}
+    for name, r in results.items():
+        assert r["steps"] == STEPS and r["val_loss"] == pytest.approx(float(rows[name][0]), abs=1e-4)
+        assert r["tokens_per_s"] > 0 and r["time_s"] > 0
+    # quickstart has no FP8 (GPTConfig's defaults): the no_fp8 overlay trains the same numbers, bit for bit on CPU
+    assert results["no_fp8"]["val_loss"] == results["base"]["val_loss"] and rows["no_fp8"][1] == "+0.0"
+    delta = (results["adamw_matrices"]["val_loss"] - results["base"]["val_loss"]) * 1000
+    assert delta != 0 and rows["adamw_matrices"][1] == f"{delta:+.1f}"
+    for name in ("loss_vs_step", "loss_vs_tokens", "tokens_per_s"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_ablate_does_not_rerun_finished_runs(ablation):
+    out, _ = ablation
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/result.json")}
+    (out / "no_fp8" / "result.json").unlink()  # as if that run had been interrupted
+    done = nanogpt_pl(ablate_args(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "base: finished earlier" in done.stderr and "adamw_matrices: finished earlier" in done.stderr
+    assert "no_fp8: training" in done.stderr
+    for p, stamp in stamps.items():
+        if p.parent.name != "no_fp8":
+            assert p.stat().st_mtime_ns == stamp
+    assert (out / "no_fp8" / "result.json").is_file()
+
+
+@pytest.mark.slow
+def test_plot_overlays_runs_at_the_requested_size(ablation, tmp_path):
+    from PIL import Image
+
+    from nanogpt_pl.cli import main
+
+    out, _ = ablation
+    runs = [str(out / name) for name in ["base", *OVERLAYS]]
+    assert main(["plot", *runs, "--out", str(tmp_path), "--size", "640", "400"]) == 0
+    for name in ("loss_vs_step", "loss_vs_tokens", "tokens_per_s"):
+        path = tmp_path / f"{name}.png"
+        assert path.stat().st_size > 5_000
+        with Image.open(path) as im:
+            assert im.size == (640, 400)
+            # not a blank canvas: the curves and legend put many colours on it
+            assert len(im.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 50
+
+
+@pytest.mark.slow
+def test_plot_reads_every_curve_of_a_run(ablation):
+    from nanogpt_pl.tools.plot import load_run
+
+    out, _ = ablation
+    run = load_run(out / "base")
+    assert [s for s, _ in run.train] == list(range(STEPS))
+    assert len(run.val) == 1 and run.val[0][1] == pytest.approx(json.loads((out / "base/result.json").read_text())
+                                                                 ["val_loss"])
+    # tokens through each step: 2,048 per step (the stage above)
+    assert [run.tokens[s] for s in range(STEPS)] == [2048.0 * (s + 1) for s in range(STEPS)]
+    assert run.tokens_per_s and all(v > 0 for _, v in run.tokens_per_s)
+
+
+@pytest.mark.slow
+def test_generate_is_reproducible_for_a_seed(ablation):
+    from nanogpt_pl.tools.generate import generate_text, load_for_sampling
+
+    out, _ = ablation
+    ckpt = out / "base" / "checkpoints" / "quickstart"
+    a, which = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
+    b, _ = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
+    c, _ = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=8)
+    assert which == "live weights"
+    assert a == b and a.startswith("def main(") and len(a) > len("def main(")
+    assert a != c
+    _, windows, _ = load_for_sampling(ckpt)
+    assert windows == (128, 384)  # schedule.val_window_short / val_window_long of the run
+
+
+@pytest.mark.slow
+def test_generate_command_prints_the_text(ablation):
+    out, _ = ablation
+    done = nanogpt_pl(["generate", str(out / "base" / "checkpoints" / "quickstart" / "last.ckpt"), "--prompt",
+                       "import os", "--max-new-tokens", "5", "--temperature", "0"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("import os") and "[live weights]" in done.stderr
+
+
+def _one_line_error(capsys, argv: list[str], *expect: str) -> None:
+    from nanogpt_pl.cli import main
+
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    for word in expect:
+        assert word in err, err
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, capsys):
+    _one_line_error(capsys, ["plot", str(tmp_path / "missing")], "run folder", "not found", "logs/quickstart")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(capsys, ["plot", str(tmp_path / "empty")], "no metrics.csv", "CSVLogger")
+    (tmp_path / "other.csv").write_text("step,foo\n0,1\n")
+    _one_line_error(capsys, ["plot", str(tmp_path / "other.csv")], "no train/loss column")
+    _one_line_error(capsys, ["generate", str(tmp_path / "missing.ckpt")], "not found", ".ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    _one_line_error(capsys, ["generate", str(tmp_path / "foreign.ckpt")], "not a checkpoint of a nanogpt-pl")
+    _one_line_error(capsys, ["generate", str(tmp_path / "empty")], "no .ckpt file")
+    os.chdir(ROOT)
+    _one_line_error(capsys, ["ablate", "--config", "configs/quickstart.yaml", "--steps", "2", "--ablations",
+                             "no_such_overlay"], "no_such_overlay", "not found", "adamw_matrices")
+    _one_line_error(capsys, ["ablate", "--config", "configs/nope.yaml", "--steps", "2"], "base config", "--config")
+
+
+def test_generate_uses_the_tail_averaged_weights_of_an_unshipped_checkpoint(tmp_path, one_thread):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from train_helpers import make_run, make_trainer, tiny_schedule
+
+    from callbacks.ema import TailAveraging
+    from nanogpt_pl.data.corpus import build_corpus
+    from nanogpt_pl.tools.generate import _tail_state, load_for_sampling
+
+    corpus = build_corpus()
+    module, data = make_run((corpus.train_pattern, corpus.val_pattern), tiny_schedule(8))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    make_trainer(tmp_path, callbacks=[TailAveraging(), ckpt], enable_checkpointing=True,
+                 limit_val_batches=0).fit(module, data)
+    path = next(tmp_path.glob("*step=4*.ckpt"))
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    assert _tail_state(raw) is not None  # mid-run: accumulating since step 0, shipped only at step 7
+
+    live, _, which_live = load_for_sampling(path, tail_average=False)
+    tail, windows, which = load_for_sampling(path)
+    assert which_live == "live weights" and which.startswith("tail-averaged weights (tail_ema")
+    assert windows == (64, 256)
+    # the same ship the callback makes before the final validation
+    expect = TailAveraging()
+    expect.load_state_dict(_tail_state(raw))
+    expect.on_train_start(None, live)
+    expect.ship(live)
+    saved = raw["state_dict"]
+    changed = set()
+    for name, a in tail.model.state_dict().items():
+        if torch.is_tensor(a):
+            assert torch.equal(a, live.model.state_dict()[name]), name
+            if not torch.equal(a, saved["model." + name]):
+                changed.add(name.split(".")[-1])
+    # the ships move embed and lm_head (tail EMA), the qk/vo/mlp banks and the value embeddings
+    assert {"embed", "lm_head", "qk_w", "v_w", "o_w", "fc_w", "proj_w"} <= changed, changed
