@@ -16,30 +16,52 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
 
 
+def parent_only_tests(source: str) -> set[str]:
+    """The module's tests marked ``skipif(INTERPRETED, ...)``: they run in the parent, so the child skips them."""
+    names, pending = set(), False
+    for line in source.splitlines():
+        if line.startswith("@pytest.mark.skipif(INTERPRETED"):
+            pending = True
+        elif line.startswith("def "):
+            if pending:
+                names.add(line[4:].split("(")[0])
+            pending = False
+        elif not line.startswith("@"):
+            pending = False
+    return names
+
+
 def run_module_under_interpreter(path: str) -> int:
     """Run ``pytest`` on ``path`` with TRITON_INTERPRET=1 and check what the child ran.
 
-    The child must collect the module's tests, pass every one of them except the launcher
-    (skipped there), and pass at least one test per ``@interp`` function of the module, so
-    a child that runs nothing, or skips what it should run, fails the parent. Returns the
+    The child runs the module's tests but its ``@pytest.mark.cuda`` ones (deselected: the
+    interpreter is the CPU path). It must run every one it collects, skip only the tests
+    marked ``skipif(INTERPRETED, ...)`` (the launcher among them, which run in the parent),
+    pass all the others, and pass at least one test per ``@interp`` function of the module,
+    so a child that runs nothing, or skips what it should run, fails the parent. Returns the
     child's pass count.
     """
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", os.path.abspath(path)],
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda", os.path.abspath(path)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    collected = re.search(r"collected (\d+) items?", proc.stdout)
+    collected = re.search(r"collected (\d+) items?(?: / (\d+) deselected)?", proc.stdout)
     outcomes = re.findall(r"::(\S+) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)", proc.stdout)
     passed = [name for name, outcome in outcomes if outcome == "PASSED"]
-    skipped = [name for name, outcome in outcomes if outcome == "SKIPPED"]
-    assert collected is not None and len(outcomes) == int(collected.group(1)), tail
-    assert len(skipped) == 1 and skipped[0].endswith("_under_interpreter"), (skipped, tail)
-    assert len(passed) == int(collected.group(1)) - 1, tail
+    skipped = [name.split("[")[0] for name, outcome in outcomes if outcome == "SKIPPED"]
+    assert collected is not None, tail
+    selected = int(collected.group(1)) - int(collected.group(2) or 0)
+    assert len(outcomes) == selected, tail
     with open(path) as f:
-        interp_functions = len(re.findall(r"^@interp\b", f.read(), re.M))
+        source = f.read()
+    parent_only = parent_only_tests(source)
+    assert any(name.endswith("_under_interpreter") for name in skipped), (skipped, tail)
+    assert set(skipped) <= parent_only, (skipped, parent_only, tail)
+    assert len(passed) == selected - len(skipped), tail
+    interp_functions = len(re.findall(r"^@interp\b", source, re.M))
     assert interp_functions > 0 and len(passed) >= interp_functions, (interp_functions, len(passed), tail)
     return len(passed)

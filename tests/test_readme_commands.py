@@ -3,7 +3,10 @@
 Training commands on the quickstart config run with a tiny overlay config appended (small model,
 two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--print_config``;
 the FineWeb download is checked to accept its options; ``tensorboard --logdir logs`` is started
-and stopped. The two set-up commands at the top (pip install ...) are what CI runs.
+and stopped. ``describe``, ``generate`` and ``plot`` run as written (on the runs the commands
+before them made); ``ablate`` on the quickstart config trains its runs with the tiny overlay
+after its ``--``, and on a GPU config each of its runs' configs is checked to parse. The two
+set-up commands at the top (pip install ...) are what CI runs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_cli import LAUNCH_VARS, ROOT  # noqa: E402
 
 README = ROOT / "README.md"
-GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml")
+GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml", "configs/gpu_smoke.yaml")
 
 TINY = {
     "model": {"gpt": {"model_dim": 32, "num_heads": 2, "head_dim": 16, "mlp_hidden": 64}},
@@ -89,6 +92,9 @@ def workdir(tmp_path):
 def test_the_readme_shows_the_commands_it_promises():
     commands = readme_commands()
     assert any("--model.gpt.num_layers 2" in c for c in commands)
+    for tool in ("describe", "generate", "plot", "ablate"):
+        assert any(c.startswith(f"nanogpt-pl {tool} ") for c in commands), tool
+    assert any("--config configs/ablations/" in c for c in commands)
     assert any(c.startswith("python main.py validate") for c in commands)
     assert any(c.startswith("tensorboard --logdir logs") for c in commands)
     assert any("--trainer.callbacks+=" in c for c in commands)
@@ -107,6 +113,28 @@ def test_config_comment_switches_apply(workdir):
         for part in key[2:].split("."):
             node = node[int(part)] if isinstance(node, list) else node[part]
         assert node == yaml.safe_load(value), (config, key, node)
+
+
+def check_ablation_configs(argv: list[str], cwd: Path) -> None:
+    """``nanogpt-pl ablate`` on a config that needs GPUs: every run it would start parses (``--print_config``)."""
+    from nanogpt_pl.tools import build_parser
+    from nanogpt_pl.tools.ablate import resolve_ablations
+
+    args = build_parser("ablate").parse_args(argv[4:])
+    here = Path.cwd()
+    os.chdir(cwd)  # the overlays are found under configs/ablations of the working directory, as ablate finds them
+    try:
+        overlays = [None, *resolve_ablations(args.ablations)]
+    finally:
+        os.chdir(here)
+    assert len(overlays) > 1
+    for overlay in overlays:
+        configs = ["--config", args.config] + ([] if overlay is None else ["--config", str(overlay)])
+        fit = [sys.executable, "main.py", "fit", *configs, "--trainer.max_steps", str(args.steps), *args.overrides,
+               "--print_config"]
+        out = run(fit, cwd)
+        assert out.returncode == 0, (overlay, out.stderr[-2000:])
+        assert yaml.safe_load(out.stdout)["trainer"]["max_steps"] == args.steps
 
 
 @pytest.mark.slow
@@ -141,6 +169,23 @@ def test_every_readme_and_config_command_runs(workdir):
             assert out.returncode == 0 and all(a in out.stdout for a in argv[at:] if a.startswith("--")), out
             ran.append(command)
             continue
+        tool = argv[3] if argv[1:3] == ["-m", "nanogpt_pl.cli"] and len(argv) > 3 else None
+        if tool == "ablate" and any(c in argv for c in GPU_CONFIGS):
+            check_ablation_configs(argv, workdir)
+            ran.append(command)
+            continue
+        if tool in ("describe", "generate", "plot"):
+            out = run(argv, workdir)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+            assert out.stdout.strip() or tool == "plot", command  # the table / the sampled text
+            ran.append(command)
+            continue
+        if tool == "ablate":  # its runs train the tiny overlay: the options after -- go to every run
+            argv = argv + ([] if "--" in argv else ["--"]) + ["--config", str(tiny)]
+            out = run(argv, workdir)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+            ran.append(command)
+            continue
         if "--print_config" in argv:
             pass
         elif any(c in argv for c in GPU_CONFIGS):  # 8 GPUs / FineWeb: the command must parse
@@ -154,6 +199,11 @@ def test_every_readme_and_config_command_runs(workdir):
             yaml.safe_load(out.stdout)
         ran.append(command)
     assert len(ran) == len(commands)
+    # what the research tools wrote: the ablation table with its base row, and the plots
+    table = (workdir / "ablations" / "quickstart" / "ablation.md").read_text()
+    assert all(f"| {name} |" in table for name in ("base", "adamw_matrices", "no_fp8")), table
+    plots = {p.name for p in (workdir / "plots").iterdir()}
+    assert {"loss_vs_step.png", "loss_vs_tokens.png", "tokens_per_s.png"} <= plots, plots
 
     # the resume continued the newest quickstart run: its folder, its last.ckpt now at step 3,
     # and validate logged at that step
