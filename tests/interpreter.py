@@ -50,7 +50,8 @@ def run_module_under_interpreter(path: str) -> int:
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     collected = re.search(r"collected (\d+) items?(?: / (\d+) deselected)?", proc.stdout)
-    outcomes = re.findall(r"::(\S+) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)", proc.stdout)
+    # (a test id may hold spaces: parametrize ids such as "[many short documents-64-64]")
+    outcomes = re.findall(r"::(.+?) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)\b", proc.stdout)
     passed = [name for name, outcome in outcomes if outcome == "PASSED"]
     skipped = [name.split("[")[0] for name, outcome in outcomes if outcome == "SKIPPED"]
     assert collected is not None, tail
