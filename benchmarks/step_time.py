@@ -12,10 +12,16 @@ config's schedule (its batch shape, windows and candidate count held fixed):
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
-(the Lightning overhead), plus peak memory.
+(the Lightning overhead), plus peak memory. Unless ``--no-eager``, the plain loop also runs
+with ``model.cuda_graphs=false`` ("plain-eager"), and the table gives captured/eager.
+
+``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
+trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
+and per step the GPU's busy time (the union of its kernels and copies) against the wall time.
 
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
+    python benchmarks/step_time.py --only plain --profile profiles --steps 4
 
 Without FineWeb on the machine, ``--corpus quickstart`` (the default when the config's
 files are missing) trains on the embedded corpus, repeated as needed.
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -106,6 +113,23 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     return args, st
 
 
+def gpu_busy_seconds(prof: Any) -> float:
+    """Time the GPU was busy during a profile: the union of its kernel and copy intervals."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy * 1e-6  # the profiler's times are in microseconds
+
+
 def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     clock = _Clock(warmup, warmup + steps)
@@ -115,7 +139,8 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
-def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False, cprofile: bool = False) -> dict:
+def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
+              tag: str = "plain") -> dict:
     cli = cli_main(args, run=False, save_config=False)
     module, data = cli.model, cli.datamodule
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,14 +182,31 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: bool = False, c
         stats = pstats.Stats(cprof, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(35)
         stats.sort_stats("cumulative").print_stats(45)
+    busy = None
     if prof is not None:
         prof.__exit__(None, None, None)
+        out = Path(profile)
+        out.mkdir(parents=True, exist_ok=True)
+        trace = out / f"{tag}-trace.json"
+        prof.export_chrome_trace(str(trace))
+        print(f"{tag}: trace {trace}", file=sys.stderr)
+        if torch.cuda.is_available():
+            busy = gpu_busy_seconds(prof)
+            print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
+                  f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle)", file=sys.stderr)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)
         print(avg.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
     stream.close()
-    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config}
+    graphs = None
+    if getattr(module, "_graphs", None) is not None:
+        g = module._graphs.graphs
+        checks = ", ".join(f"loss {c.loss_rel:.1e} grads {c.grad_rel:.1e}{'' if c.passed else ' FAILED'}"
+                           for c in g.checks.values())
+        graphs = (f"{tag}: CUDA graphs: {len(g.captured_keys())} keys captured, {g.replays} micro-batches replayed, "
+                  f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}")
+    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 
 def main() -> None:
@@ -175,8 +217,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
-    ap.add_argument("--child", choices=["lightning", "plain"], default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--profile", action="store_true", help="profile the plain loop's timed steps (top ops)")
+    ap.add_argument("--child", choices=["lightning", "plain", "plain-eager"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", nargs="?", const="profiles", default=None, metavar="DIR",
+                    help="profile the plain loops' timed steps: Chrome traces in DIR (default ./profiles), "
+                         "top ops, GPU busy vs wall time per step")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the plain loop with model.cuda_graphs=false and print captured/eager")
     ap.add_argument("--cprofile", action="store_true",
                     help="Python profile (cProfile) of the plain loop's timed steps: where the host time goes")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -191,21 +237,27 @@ def main() -> None:
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
 
     if a.child:
-        if a.child == "plain":
-            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile)
+        if a.child.startswith("plain"):
+            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.child)
         else:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
+                                      "busy": result.get("busy"), "graphs": result.get("graphs"),
                                       "flops_tok": result["gpt"].flops_per_token(
                                           stage["seq_len"], stage["window_short"], stage["window_long"])}))
         return
 
     # each loop in its own process, so neither sees the other's memory or compile caches
     results = {}
-    for mode in (["plain", "lightning"] if a.only == "both" else [a.only]):
+    modes = ["plain", "lightning"] if a.only == "both" else [a.only]
+    if a.eager and "plain" in modes:
+        modes.insert(modes.index("plain") + 1, "plain-eager")
+    for mode in modes:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
+        if mode == "plain-eager":
+            cmd += ["--set", "model.cuda_graphs=false"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if (a.profile or a.cprofile) and mode == "plain":
+        if (a.profile or a.cprofile) and mode.startswith("plain"):
             print(proc.stderr[-40000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -221,14 +273,22 @@ def main() -> None:
     print(f"device: {device}  torch {torch.__version__}  "
           f"date {datetime.date.today().isoformat()}")
     print(f"model FLOPs/token (dense, full vocab): {flops_tok / 1e9:.3f} GFLOP")
-    print(f"{'loop':<10} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'vs plain':>9}")
+    print(f"{'loop':<12} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'vs plain':>9} {'GPU busy':>9}")
     base = results.get("plain")
     for mode, r in results.items():
         ms = 1e3 * r["seconds"] / a.steps
         tps = tokens * a.steps / r["seconds"]
         mfu = flops_tok * tps / PEAK_BF16_FLOPS
         ratio = f"{r['seconds'] / base['seconds']:.3f}x" if base else "-"
-        print(f"{mode:<10} {ms:9.1f} {tps:12,.0f} {100 * mfu:6.1f}% {r['peak'] / 2**30:9.1f} {ratio:>9}")
+        busy = f"{100 * r['busy'] / r['seconds']:.1f}%" if r.get("busy") is not None else "-"
+        print(f"{mode:<12} {ms:9.1f} {tps:12,.0f} {100 * mfu:6.1f}% {r['peak'] / 2**30:9.1f} {ratio:>9} {busy:>9}")
+    for r in results.values():
+        if r.get("graphs"):
+            print(r["graphs"])
+    if "plain" in results and "plain-eager" in results:
+        # the same loop and config with model.cuda_graphs=false: what the graphs buy (RECORD §11)
+        print(f"captured/eager step time: {results['plain']['seconds'] / results['plain-eager']['seconds']:.3f}x "
+              f"(speed-up {results['plain-eager']['seconds'] / results['plain']['seconds']:.2f}x)")
 
 
 if __name__ == "__main__":

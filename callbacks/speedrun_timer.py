@@ -23,6 +23,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from nanogpt_pl.capture import FrozenGC, schedule_key
+
 RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 
 
@@ -33,18 +35,19 @@ UNTIE_FOLLOW_STEPS = 3  # RECORD §11: the 3 steps after the untie (1176–1178)
 def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
     """The untimed warmup steps, chosen as the record chooses them (RECORD §11).
 
-    A configuration key is (batch, sequence length, max document length, windows,
-    candidate count, number of MTP weights, prefix weight). Sampled: steps 0 and 1; the
-    4 steps s−2..s+1 around every stage boundary and every change of the candidate count;
-    the 3 steps after the untie; each key's first step and the one after. The prefix 0..7
-    comes last. On the record's schedule this is 29 sampled steps plus the prefix, 37 in
-    all (budget 40). At most ``limit`` steps: sampled ones are dropped from the end first.
+    A configuration key is ``nanogpt_pl.capture.schedule_key`` (batch, sequence length, max
+    document length, attention split, windows, candidate count, number of MTP weights, prefix
+    weight): a CUDA graph's key, so each key's first two steps give it its two untimed visits
+    (capture, self-check). Sampled: steps 0 and 1; the 4 steps s−2..s+1 around every stage
+    boundary and every change of the candidate count; the 3 steps after the untie; each key's
+    first step and the one after. The prefix 0..7 comes last. On the record's schedule this is
+    29 sampled steps plus the prefix, 37 in all (budget 40). At most ``limit`` steps: sampled
+    ones are dropped from the end first.
     """
     total = schedule.total_steps
 
     def key(s: int) -> tuple:
-        return (schedule.batch_tokens(s), schedule.seq_len(s), schedule.max_doc_len(s), schedule.windows(s),
-                schedule.candidates(s), len(schedule.mtp_weights(s)), schedule.prefix_weight(s))
+        return schedule_key(schedule, s)
 
     firsts = [s for s in range(total) if s == 0 or key(s) != key(s - 1)]
     boundaries = {schedule.stage_start(i) for i in range(1, len(schedule.stages))}
@@ -83,6 +86,7 @@ class SpeedrunTimer(L.Callback):
         self.warmup_seconds = 0.0
         self.reached = False
         self._paused_for_save = False
+        self._gc = FrozenGC()  # RECORD §11: no garbage collection while the clock runs
 
     @property
     def clock_running(self) -> bool:
@@ -101,6 +105,9 @@ class SpeedrunTimer(L.Callback):
     def run_warmup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[int]:
         steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit)
                  if self.warmup_steps is None else list(self.warmup_steps))
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            # a run shortened with trainer.max_steps has no data planned past it
+            steps = [s for s in steps if s < trainer.max_steps]
         if not steps:
             return []
         start = time.perf_counter()
@@ -125,7 +132,11 @@ class SpeedrunTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == 0:
             self.run_warmup(trainer, pl_module)
+        self._start(pl_module)
+
+    def _start(self, pl_module: L.LightningModule) -> None:
         self._sync(pl_module)
+        self._gc.pause()
         self._t0 = time.perf_counter()
 
     def _pause(self, pl_module: L.LightningModule) -> None:
@@ -133,6 +144,7 @@ class SpeedrunTimer(L.Callback):
             self._sync(pl_module)
             self.elapsed += time.perf_counter() - self._t0
             self._t0 = None
+        self._gc.resume()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -150,8 +162,7 @@ class SpeedrunTimer(L.Callback):
             logger.log_metrics({"speedrun/train_time_s": self.elapsed,
                                 "speedrun/reached_target": float(self.reached)}, step=trainer.global_step)
         if not trainer.should_stop:
-            self._sync(pl_module)
-            self._t0 = time.perf_counter()
+            self._start(pl_module)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn == "fit" and self._t0 is not None:
@@ -163,11 +174,13 @@ class SpeedrunTimer(L.Callback):
         if self._paused_for_save:
             self._paused_for_save = False
             if self._t0 is None:
-                self._sync(pl_module)
-                self._t0 = time.perf_counter()
+                self._start(pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pause(pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._gc.resume()
 
     def state_dict(self) -> dict[str, Any]:
         # a save's state_dict comes before its on_save_checkpoint pause: count the running segment

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .backends import Backends
+from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
 from .data.tokenizer import build_prefix_table
 from .distributed.side_files import RANK_LOCAL_KEY
 from .distributed.sparse_channels import SparseChannels, build_sparse_channels
@@ -193,6 +194,9 @@ class SpeedrunModule(L.LightningModule):
         compile: compile the model's forward with ``torch.compile``.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
+        cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
+            graph per configuration key and replay it (``nanogpt_pl/capture.py``, RECORD §11); each
+            capture is checked against eager first. No effect on CPU (one warning if set).
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class SpeedrunModule(L.LightningModule):
         backends: Backends = Backends(),
         compile: bool = False,
         param_dtype: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -216,6 +221,7 @@ class SpeedrunModule(L.LightningModule):
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
+        self.cuda_graphs = cuda_graphs
         self.model = GPT(gpt, backends)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None
@@ -232,9 +238,12 @@ class SpeedrunModule(L.LightningModule):
         # token-weighted over batches and ranks by torchmetrics (nanogpt_pl/metrics.py)
         self.val_loss = MeanTokenLoss()
         self.val_bpb = BitsPerByte()
+        self.__dict__["_graphs"] = None  # capture.ModuleGraphs, built at the first step on a GPU
+        self._run_ahead = RunAhead()
 
     # -- setup ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        self._check_gpu_options(self.trainer.strategy.root_device)
         self.prepare_for_training(self.trainer.strategy.root_device, self.trainer.world_size, self.global_rank)
         if (self.sparse_channels is not None and self.trainer.world_size > 1
                 and not isinstance(self.trainer.strategy, SpeedrunStrategy)):
@@ -259,16 +268,34 @@ class SpeedrunModule(L.LightningModule):
             for p in roles[name]:
                 p.data = p.data.to(dtype)
         self.sampler = SliceSamplers(self.gpt_config.vocab_size)
+        graphs = cuda_graphs_active(self.cuda_graphs, device)
         if self.sparse_channels is None:
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
-                                                         fixed_shapes=self.compile)
+                                                         fixed_shapes=self.compile or graphs)
             if self._pending_sparse_state is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None
         if self.compile:
             # compiled in place: the module keeps its parameters, so state_dict keys stay the same
             self.model.compile(dynamic=False)
+
+    def _check_gpu_options(self, device: torch.device) -> None:
+        """A trainer run off CUDA rejects the options that are for a GPU (a plain loop calling
+        ``prepare_for_training`` may still compile on CPU)."""
+        if device.type == "cuda":
+            return
+        cfg = self.gpt_config
+        # (model.optim.anvil_cuda_graph only applies on CUDA: elsewhere ANVIL runs eagerly, as documented)
+        gpu_only = ["--model.compile false"] if self.compile else []
+        if self.backends.fp8 == "auto":
+            gpu_only += [f"--model.gpt.{k} false" for k in ("fp8_mlp", "fp8_head", "fp8_qkv") if getattr(cfg, k)]
+        if gpu_only:
+            raise RuntimeError(
+                f"{', '.join(o.split()[0][2:] for o in gpu_only)} are GPU options and this run is on "
+                f"{device.type}: add {' '.join(gpu_only)} (or --model.backends.fp8 reference to emulate FP8), "
+                "or train configs/quickstart.yaml"
+            )
 
     def _check_device_options(self, device: torch.device) -> None:
         """Reject options this device cannot run, naming the option and the fix."""
@@ -278,7 +305,7 @@ class SpeedrunModule(L.LightningModule):
             if self.backends.fp8 == "scaled_mm" and (cfg.fp8_mlp or cfg.fp8_head or cfg.fp8_qkv):
                 raise RuntimeError(
                     "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
-                    "use model.backends.fp8: auto (or reference) on CPU"
+                    "use model.backends.fp8: reference on CPU"
                 )
             if self.backends.loss == "triton":
                 if not interpret_mode():
@@ -350,6 +377,18 @@ class SpeedrunModule(L.LightningModule):
         """Set every param group's lr to its initial lr times ``scale``."""
         for group in self._combined().param_groups:
             group["lr"] = group["initial_lr"] * scale
+
+    def learning_rates(self) -> dict[str, float]:
+        """This step's learning rate of each optimizer part, as logged: ``lr/matrix`` (ANVIL's base lr,
+        before its per-shape sqrt(max(1, rows/cols)) factor; AdamW's lr), ``lr/adam_<group>`` and
+        ``lr/sparse_<channel>`` (lr times the group's lr_mul)."""
+        out: dict[str, float] = {}
+        for part_name, part in self._combined().parts.items():
+            for group in part.param_groups:
+                lr = float(group["lr"]) * float(group.get("lr_mul", 1.0))
+                key = "lr/matrix" if part_name == "matrices" else f"lr/{part_name}_{group.get('name', len(out))}"
+                out.setdefault(key, lr)
+        return out
 
     def set_momentum(self, momentum: float) -> None:
         """Set the momentum of the optimizer groups that have one (ANVIL)."""
@@ -425,11 +464,17 @@ class SpeedrunModule(L.LightningModule):
         prefix = self.schedule.prefix_weight(step) > 0
         world, rank = self._world
         for a, mb in enumerate(micro):
+            # pinned like the loader's tensors, so the copy to the device does not block the host
+            pin = mb["targets"].is_pinned()
             if num is not None and num < self.gpt_config.vocab_size:
                 sampler = self.sampler.get(a * world + rank, len(micro) * world)
                 mb["candidates"] = sampler.build(mb["targets"], num)
+                if pin:
+                    mb["candidates"] = mb["candidates"].pin_memory()
             if prefix:
                 mb["prefix_targets"] = self._prefix_table()[mb["targets"].long()]
+                if pin:
+                    mb["prefix_targets"] = mb["prefix_targets"].pin_memory()
         return batch
 
     def _prefix_table(self) -> Tensor:
@@ -450,7 +495,8 @@ class SpeedrunModule(L.LightningModule):
         if head is not None:
             head.loss_rows = hidden.shape[0]  # the loss is a mean over these rows
         return lm_head_loss(
-            hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"), mtp_weights=s.mtp_weights,
+            hidden, self.model.lm_head, mb["targets"], candidates=mb.get("candidates"),
+            mtp_weights=mb.get("mtp_weights", s.mtp_weights),
             prefix_targets=mb.get("prefix_targets"), prefix_weight=s.prefix_weight, backend=self.backends.loss,
             head=head,
         )
@@ -464,9 +510,18 @@ class SpeedrunModule(L.LightningModule):
         opt = self._plain_optimizer if self._plain_optimizer is not None else self.optimizers()
         micro = micro_batches(batch)
         total = torch.zeros((), device=self.device)
+        graphs = self._step_graphs()
+        if graphs is not None:
+            graphs.begin_step()
         for mb in micro:
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+            if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
+                loss = graphs.micro_step(mb, sparse, len(micro))
+                if sparse:
+                    self.sparse_channels.push_grads(sparse)
+                total += loss
+                continue
             loss = self._micro_loss(mb, sparse)
             # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
             # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
@@ -493,7 +548,14 @@ class SpeedrunModule(L.LightningModule):
             with torch.no_grad():
                 emb.copy_(head)
         opt.zero_grad(set_to_none=True)
+        self._run_ahead.step_done(self.device)
         return total / len(micro)
+
+    def _step_graphs(self) -> Optional[ModuleGraphs]:
+        """The CUDA graphs of the training step (``model.cuda_graphs``), None when the step runs eagerly."""
+        if self._graphs is None and self.cuda_graphs and self.device.type == "cuda":
+            self.__dict__["_graphs"] = ModuleGraphs(self)
+        return self._graphs
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
         step = self.global_step  # optimizer steps completed before this one
@@ -502,12 +564,36 @@ class SpeedrunModule(L.LightningModule):
         tokens = sum(mb["inputs"].numel() for mb in micro)
         self.flops_per_batch = tokens * self.gpt_config.flops_per_token(micro[0]["inputs"].numel(),
                                                                        *self.settings.windows)
-        self.log("train/loss", mean_loss, prog_bar=True, sync_dist=True, batch_size=1)
+        if self._logs_at(step):
+            # read on the host only when the loggers write (every log_every_n_steps): the
+            # progress bar reads its value every step, which for a device tensor is a sync
+            loss = self.trainer.strategy.reduce(mean_loss.detach(), reduce_op="mean").cpu()
+            self.log("train/loss", loss, prog_bar=True, batch_size=1)
         self.log("train/tokens", float(self.schedule.tokens_through(step)), batch_size=1)
-        self.log("lr", self.schedule.lr_mul(step), batch_size=1)
+        self.log("schedule/lr_mul", self.schedule.lr_mul(step), batch_size=1)
+        for name, lr in self.learning_rates().items():
+            self.log(name, lr, batch_size=1)
         # tokens this rank's documents lost to the step's max_doc_len (data.long_documents)
         self.log("train/doc_tokens_cut", float(sum(mb.get("doc_tokens_cut", 0) for mb in micro)), batch_size=1)
         return mean_loss
+
+    def _logs_at(self, step: int) -> bool:
+        """Whether the loggers write at the end of ``step`` (Lightning's ``log_every_n_steps``)."""
+        every = self.trainer.log_every_n_steps
+        last = self.schedule.total_steps if not self.trainer.max_steps or self.trainer.max_steps < 0 \
+            else min(self.schedule.total_steps, self.trainer.max_steps)
+        return every > 0 and ((step + 1) % every == 0 or step + 1 >= last)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """``LightningModule.log``, with Python numbers logged as CPU tensors.
+
+        Lightning turns a number into a tensor on the module's device: on a GPU that is a
+        blocking host-to-device copy, a sync every step (with ``sync_dist`` the value must be
+        on the device, so it goes there as before).
+        """
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not kwargs.get("sync_dist"):
+            value = torch.tensor(float(value))
+        super().log(name, value, *args, **kwargs)
 
     # -- state capture (the speedrun timer resets to the start after its warmup) -------
     def capture_state(self) -> dict[str, Any]:

@@ -406,19 +406,52 @@ def test_state_dict_resumes_bit_exactly(dtype: torch.dtype) -> None:
         assert (ba.sidecar is None and bb.sidecar is None) or torch.equal(ba.sidecar, bb.sidecar)
 
 
+def speedrun_banks() -> dict[str, tuple[int, int, int]]:
+    """The ANVIL banks of the model configs/speedrun.yaml builds: name -> (rows, cols, matrices).
+
+    The vocabulary is shrunk and the n-gram table left out: neither is a matrix ANVIL updates.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    from nanogpt_pl.model.gpt import GPT, GPTConfig
+    from nanogpt_pl.optim.groups import anvil_group
+
+    root = Path(__file__).resolve().parents[1]
+    gpt = yaml.safe_load((root / "configs" / "speedrun.yaml").read_text())["model"]["gpt"]
+    gpt.update(vocab_size=128, ngram_rows=0)
+    model = GPT(GPTConfig(**gpt))
+    # the groups the module hands ANVIL: Q and K split into head-pair blocks (optim/groups.py)
+    opt = Anvil([anvil_group(model, model.cfg.head_dim)], backend="reference", compile=False)
+    names = {(256, 768): "qk", (768, 768): "vo", (2816, 768): "mlp"}
+    return {names[(b.rows, b.cols)]: (b.rows, b.cols, b.count) for b in opt._banks}
+
+
 def test_record_banks_split_like_the_record_at_world_8() -> None:
-    """RECORD §8: at 8 ranks each owns 6 qk, 2 vo and 3 mlp matrices (banks padded to 48, 16, 24)."""
+    """RECORD §8: qk_bank holds 42 live (256, 768) groups, vo_bank 14 live (768, 768) pairs; at 8 ranks
+    each owns 6 qk, 2 vo and 3 mlp matrices (banks padded to 48, 16, 24)."""
     from nanogpt_pl.optim.adam import row_range
 
-    for count, per in ((42, 6), (14, 2), (22, 3)):
+    banks = speedrun_banks()
+    assert banks["qk"] == (256, 768, 42) and banks["vo"] == (768, 768, 14)
+    # the MLP bank: two matrices per MLP layer of the config and two of layer 8's parallel MLP
+    assert banks["mlp"] == (2816, 768, 22)
+    for name, per in (("qk", 6), ("vo", 2), ("mlp", 3)):
+        count = banks[name][2]
         spans = [row_range(count, 8, r) for r in range(8)]
-        assert all(p == per for _, _, p in spans)
+        assert all(p == per for _, _, p in spans), name
         assert [i for lo, hi, _ in spans for i in range(lo, hi)] == list(range(count))
     for count in (1, 2, 3, 5, 7):
         for world in (2, 4, 8):
             spans = [row_range(count, world, r) for r in range(world)]
             assert [i for lo, hi, _ in spans for i in range(lo, hi)] == list(range(count))
             assert spans[0][2] * world >= count
+
+
+def test_mlp_bank_has_the_records_live_matrices() -> None:
+    """RECORD §8: mlp_bank (12, 2, 2816, 768), 24 matrices; slot 7 is dead, slot 11 is layer 8's parallel MLP."""
+    assert speedrun_banks()["mlp"][2] == 24 - 2
 
 
 def test_initial_lr_and_schedule_hooks() -> None:
@@ -527,7 +560,7 @@ def _gpu_run(params: list[torch.nn.Parameter], opt: Anvil, steps: range, move_at
 
 
 @cuda
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_gpu_cuda_graph_equals_eager_bit_for_bit(backend: str) -> None:
     """Replaying the captured bank work gives exactly the eager arithmetic: across the engage step,
     with the lr and momentum changing every step, after the parameters' storage moved, and after

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +16,9 @@ import torch
 import yaml
 
 from nanogpt_pl.config_files import expand_config_bases, load_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import LAUNCH_VARS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +69,7 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation, r
     cfg = yaml.safe_load(out.stdout)
     assert cfg["model"]["gpt"]["num_layers"] == 11  # the speedrun config underneath
     expect = {
-        "no_fp8.yaml": lambda c: not (c["model"]["gpt"]["fp8_mlp"] or c["model"]["gpt"]["fp8_head"]),
+        "no_fp8.yaml": lambda c: not any(c["model"]["gpt"][k] for k in ("fp8_mlp", "fp8_head", "fp8_qkv")),
         "no_ngram.yaml": lambda c: c["model"]["gpt"]["ngram_rows"] == 0,
         "full_softmax.yaml": lambda c: all(s["candidates"] is None for s in c["schedule"]["stages"]),
         "adamw_matrices.yaml": lambda c: c["model"]["optim"]["matrix_optimizer"] == "adamw",
@@ -73,6 +82,7 @@ def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation, r
         "no_key_offset.yaml": lambda c: c["model"]["gpt"]["key_offset_layers"] == [],
         "no_parallel_mlp.yaml": lambda c: c["model"]["gpt"]["parallel_mlp_layers"] == [],
         "plain_network.yaml": lambda c: not c["model"]["gpt"]["mudd"] and c["model"]["gpt"]["x0_layers"] is None,
+        "no_cuda_graphs.yaml": lambda c: c["model"]["cuda_graphs"] is False,
     }[ablation]
     assert expect(cfg)
 
@@ -140,3 +150,152 @@ def test_gpu_smoke_config_runs_alone_on_the_one_gpu_config(tmp_path, run_cli):
     cfg = yaml.safe_load(out.stdout)
     assert cfg["trainer"]["devices"] == 1 and cfg["model"]["gpt"]["ngram_rows"] == 21_150_720  # from speedrun_1gpu
     assert sum(s["steps"] for s in cfg["schedule"]["stages"]) == 24 and cfg["data"]["corpus"] == "quickstart"
+
+
+# -- a researcher's first hour: options, errors, checkpoints per run, signals, metrics ---------------
+
+RUN_CHECKPOINT = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                   "init_args": {"save_last": True, "every_n_train_steps": 4}}]
+
+
+def ckpt_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+
+
+def test_an_abbreviated_option_is_rejected(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files)
+    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_step", "3", "--print_config"], tmp_path)
+    assert out.returncode != 0 and "--trainer.max_step" in out.stderr
+
+
+def test_help_lists_the_commands_that_work(tmp_path, run_cli):
+    out = run_cli(["--help"], tmp_path)
+    assert out.returncode == 0
+    assert "data" in out.stdout and "{fit,validate}" in out.stdout
+    assert "predict" not in out.stdout and "test" not in out.stdout.split("subcommands")[0]
+
+
+def test_lightning_optimizer_options_point_to_model_optim(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files)
+    out = run_cli(["fit", "--config", str(cfg), "--optimizer", "AdamW"], tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert "model.optim" in lines[-1] and "KeyError" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_user_error_is_one_line_and_the_traceback_is_behind_debug(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files)
+    args = ["fit", "--config", str(cfg), "--model.gpt.num_layers", "1"]
+    out = run_cli(args, tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "[rank0]" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model.gpt.long_window_layers: layer 1 is outside 0..0") and "num_layers" in last
+    assert "NANOGPT_PL_DEBUG=1" in last
+    out = run_cli(args + ["--debug"], tmp_path)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "long_window_layers" in out.stderr
+
+
+def test_stage_field_override_from_the_command_line(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files)
+    out = run_cli(["fit", "--config", str(cfg), "--schedule.stages.0.candidates", "null", "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stage = yaml.safe_load(out.stdout)["schedule"]["stages"][0]
+    assert stage["candidates"] is None and stage["steps"] == 6
+    out = run_cli(["fit", "--config", str(cfg), "--schedule.stages.3.candidates", "null"], tmp_path)
+    assert out.returncode == 1 and "the schedule has stages 0..0" in out.stderr
+
+
+def test_gpu_only_options_on_cpu_are_one_error_and_leave_no_log_folder(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT})
+    out = run_cli(["fit", "--config", str(cfg), "--model.compile", "true", "--model.gpt.fp8_mlp", "true"], tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "model.compile" in last and "model.gpt.fp8_mlp" in last and "--model.compile false" in last
+    assert not list((tmp_path / "logs").glob("*/version_*")), list((tmp_path / "logs").rglob("*"))
+
+
+def test_checkpoints_per_run_final_step_and_last_means_this_lineage(tmp_path, toy_files, toy_config, run_cli):
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT})
+    runs = tmp_path / "logs" / "toy"
+    # a run cut short at step 3 (checkpoints every 4 steps: only the final save holds step 3)
+    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_steps", "3"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "args parameter is intended" not in out.stderr and "Starting with 1 processes" not in out.stderr
+    assert "MEMBER: 1/1" not in out.stderr + out.stdout
+    assert ckpt_step(runs / "version_0" / "checkpoints" / "last.ckpt") == 3
+    # another architecture of the same config: its own folder, newer
+    wide = ["--model.gpt.model_dim", "64", "--model.gpt.head_dim", "32"]
+    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_steps", "2", *wide], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ckpt_step(runs / "version_1" / "checkpoints" / "last.ckpt") == 2
+    # `last` resumes the run that fits, in its folder, to the end of the schedule
+    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0", "version_1"]
+    assert ckpt_step(runs / "version_0" / "checkpoints" / "last.ckpt") == 6
+    rows = list(csv.DictReader(open(runs / "version_0" / "metrics.csv")))
+    assert [int(r["step"]) for r in rows if r.get("val/loss")] == [2, 5]  # the first run's rows are kept
+    # the real learning rates per optimizer part, not the schedule multiplier under the name lr
+    assert "lr" not in rows[0] and {"lr/matrix", "lr/adam_embed", "schedule/lr_mul"} <= set(rows[0])
+    for r in rows:
+        if r.get("lr/matrix"):
+            assert abs(float(r["lr/matrix"]) - 0.023 * float(r["schedule/lr_mul"])) < 1e-7
+    # when no run's checkpoint fits: one line naming the newest one and the shapes
+    # (an explicit --ckpt_path FILE takes the model's hyperparameters from the file: LightningCLI)
+    own = runs / "version_0" / "checkpoints" / "last.ckpt"
+    own.rename(tmp_path / "aside.ckpt")
+    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last"], tmp_path)
+    (tmp_path / "aside.ckpt").rename(own)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    other = Path("logs") / "toy" / "version_1" / "checkpoints" / "last.ckpt"
+    assert f"checkpoint {tmp_path / other}" in last or f"checkpoint {other}" in last, last
+    assert re.search(r"checkpoint \(\d+, 64\) vs model \(\d+, 32\)", last), last
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0", "version_1"]
+    # validate the resumed run's last checkpoint: its rows carry the training step
+    out = run_cli(["validate", "--config", str(cfg), "--ckpt_path", "last"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(runs / "version_0" / "metrics.csv")))
+    assert [int(r["step"]) for r in rows if r.get("val/loss")] == [2, 5, 5]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_config, run_cli):
+    import signal
+    import threading
+
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT, "trainer.enable_progress_bar": True})
+    data = yaml.safe_load(cfg.read_text())
+    data["schedule"]["stages"][0]["steps"] = 2000
+    data["data"]["epochs"] = 10
+    cfg.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    err = bytearray()  # the progress bar writes to stdout, the stop message to stderr: both here
+    reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
+    reader.start()
+    try:
+        deadline = time.time() + 300
+        # the progress bar knows the run's total (2000 steps): wait for the third step
+        while time.time() < deadline and not re.search(rb" [3-9]/2000 \[", bytes(err)) and proc.poll() is None:
+            time.sleep(0.2)
+        assert re.search(rb" [3-9]/2000 \[", bytes(err)), bytes(err)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(30)
+    text = bytes(err).decode(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert "Traceback" not in text
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+last\.ckpt)", text)
+    assert stopped, text[-3000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < 2000 and ckpt_step(tmp_path / stopped.group(2)) == step
+    # the interrupted run resumes from it
+    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last", "--trainer.max_steps", str(step + 1)],
+                  tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ckpt_step(tmp_path / stopped.group(2)) == step + 1

@@ -16,7 +16,8 @@ from nanogpt_pl.data import tokenizer
 from nanogpt_pl.data.commands import main
 from nanogpt_pl.data.shards import list_shards, write_shard
 
-WHISPER_SDIST = Path("/tmp/wh/openai_whisper-20250625.tar.gz")
+# The sdist member the tokenizer command reads (tokenizer.WHISPER_MEMBER), under the sdist's top folder.
+WHISPER_SDIST_NAME = "openai_whisper-20250625"
 NETWORK = os.environ.get("NANOGPT_PL_NETWORK_TESTS") == "1"
 
 
@@ -78,10 +79,29 @@ def test_fineweb_command(tmp_path, capsys, monkeypatch):
     assert "1..103" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not WHISPER_SDIST.exists(), reason=f"{WHISPER_SDIST} not present")
+def whisper_like_sdist(tmp_path: Path) -> Path:
+    """An archive laid out like the openai-whisper sdist, holding the real ranks from the seeded cache."""
+    import io
+    import tarfile
+
+    ranks = tokenizer.cache_file()
+    if not ranks.exists():
+        pytest.fail(f"{ranks} is missing: run `nanogpt-pl data tokenizer` (the set-up command) first")
+    sdist = tmp_path / f"{WHISPER_SDIST_NAME}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(ranks, arcname=f"{WHISPER_SDIST_NAME}/{tokenizer.WHISPER_MEMBER}")
+        for name, text in (("PKG-INFO", "Name: openai-whisper\nVersion: 20250625\n"),
+                           ("whisper/__init__.py", "")):
+            info = tarfile.TarInfo(f"{WHISPER_SDIST_NAME}/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return sdist
+
+
 def test_tokenizer_command_from_sdist(tmp_path, capsys, monkeypatch):
+    sdist = whisper_like_sdist(tmp_path)  # built before the cache is pointed elsewhere
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tk"))
-    assert main(["tokenizer", "--source", str(WHISPER_SDIST)]) == 0
+    assert main(["tokenizer", "--source", str(sdist)]) == 0
     cached = tokenizer.cache_file()
     assert cached.parent == tmp_path / "tk" and str(cached) in capsys.readouterr().out
     assert hashlib.sha256(cached.read_bytes()).hexdigest() == tokenizer.RANKS_SHA256

@@ -86,6 +86,30 @@ def test_yarn_matches_record_scale_chain():
     assert fresh.attn_scale == rot.attn_scale and torch.equal(fresh.omega, rot.omega)
 
 
+def test_yarn_chain_of_the_configs_scale():
+    """The speedrun configs' attn_scale through their schedule's short-window chain.
+
+    RECORD §2 starts the narrow chain at 0.13 and ends it at ≈0.1811; speedrun_1gpu.yaml takes
+    its network from speedrun.yaml (``base:``). The quickstart's small network keeps its own scale.
+    """
+    from pathlib import Path
+
+    from nanogpt_pl.config_files import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("speedrun.yaml", "speedrun_1gpu.yaml"):
+        cfg = load_config(root / "configs" / name)
+        scale = cfg["model"]["gpt"]["attn_scale"]
+        assert scale == 0.13, name  # RECORD §2
+        windows = [st["window_short"] for st in cfg["schedule"]["stages"]]
+        rot = Rotary(64, scale)
+        for old, new in zip(windows, windows[1:]):
+            if new != old:
+                rot.apply_yarn(old, new)
+        assert [128, 384, 640, 768] == sorted(set(windows)), name  # RECORD §2's narrow chain
+        assert abs(rot.attn_scale - 0.1811) < 5e-4, name
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_gpt_forward_backward_and_identity_at_init(seed):
     torch.manual_seed(seed)

@@ -29,4 +29,12 @@ def test_quickstart_config_end_to_end(tmp_path, run_cli):
     # the help topics that open the corpus are longer than the 1,024-token cap: their tails are counted
     assert sum(float(r.get("train/doc_tokens_cut") or 0) for r in metrics) > 0
     assert list((tmp_path / "logs" / "quickstart" / "tensorboard").glob("*/events.out.tfevents.*"))
-    assert (tmp_path / "checkpoints" / "quickstart" / "last.ckpt").exists()
+    # the run's checkpoints sit in its log folder, and last.ckpt holds the final (validated) step
+    import torch
+
+    last = tmp_path / "logs" / "quickstart" / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 120  # the schedule's steps
+    assert not (tmp_path / "checkpoints").exists()
+    # the progress bar knows the total, and the project's own warnings and banners are gone
+    assert "/120 [" in shown
+    assert "args parameter is intended" not in shown and "Starting with 1 processes" not in shown

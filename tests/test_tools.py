@@ -12,6 +12,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# where a quickstart run started in a folder keeps its checkpoints (the run's log folder, nanogpt_pl/cli.py)
+RUN_CHECKPOINTS = Path("logs") / "quickstart" / "csv" / "version_0" / "checkpoints"
 
 # the quickstart config at a size that trains a step in a fraction of a second on one core
 TINY = ["--model.gpt.num_layers", "2", "--model.gpt.model_dim", "32", "--model.gpt.mlp_hidden", "64",
@@ -124,7 +126,7 @@ def test_generate_is_reproducible_for_a_seed(ablation):
     from nanogpt_pl.tools.generate import generate_text, load_for_sampling
 
     out, _ = ablation
-    ckpt = out / "base" / "checkpoints" / "quickstart"
+    ckpt = out / "base" / RUN_CHECKPOINTS
     a, which = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
     b, _ = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
     c, _ = generate_text(ckpt, "def main(", max_new_tokens=12, temperature=1.0, top_k=50, seed=8)
@@ -138,7 +140,7 @@ def test_generate_is_reproducible_for_a_seed(ablation):
 @pytest.mark.slow
 def test_generate_command_prints_the_text(ablation):
     out, _ = ablation
-    done = nanogpt_pl(["generate", str(out / "base" / "checkpoints" / "quickstart" / "last.ckpt"), "--prompt",
+    done = nanogpt_pl(["generate", str(out / "base" / RUN_CHECKPOINTS / "last.ckpt"), "--prompt",
                        "import os", "--max-new-tokens", "5", "--temperature", "0"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("import os") and "[live weights]" in done.stderr

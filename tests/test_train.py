@@ -55,6 +55,28 @@ def test_checkpoint_holds_each_weight_once(toy_files, tmp_path):
     assert keys and all(k.startswith("model.") for k in keys), [k for k in keys if not k.startswith("model.")]
 
 
+def test_timer_warmup_stays_within_max_steps(toy_files, tmp_path):
+    """A run shortened with trainer.max_steps asks for no data past it (the untimed warmup included)."""
+    from dataclasses import replace
+
+    from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps
+    from nanogpt_pl.schedule import Schedule
+
+    one = tiny_schedule(6)
+    sched = Schedule(stages=[one.stages[0], replace(one.stages[0])], warmup_steps=2, cooldown_frac=0.5,
+                     final_lr_mul=0.1, adam_every=1, untie_step=None, val_window_short=64, val_window_long=256,
+                     attention_cap=None, sparse_cadence_start=10**9)
+    assert max(default_warmup_steps(sched)) >= 6  # the plan visits the stage boundary at step 6
+    module, data = make_run(toy_files, sched)
+    asked = []
+    batch_at = data.batch_at
+    data.batch_at = lambda step: asked.append(step) or batch_at(step)
+    rec = LossRecorder()
+    make_trainer(tmp_path, max_steps=6, callbacks=[SpeedrunTimer(target=0.0), rec]).fit(module, data)
+    assert asked and max(asked) < 6, asked
+    assert sorted(rec.losses) == list(range(6))
+
+
 def test_compile_in_place_keeps_the_state_dict_keys(toy_files):
     plain, _ = make_run(toy_files, tiny_schedule(4))
     compiled, _ = make_run(toy_files, tiny_schedule(4), compile=True)

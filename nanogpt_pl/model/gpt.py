@@ -159,7 +159,9 @@ class GPTConfig:
         def check_layers(name: str, layers: Optional[list[int]]) -> None:
             for i in layers or []:
                 if not 0 <= i < self.num_layers:
-                    raise ValueError(f"model.gpt.{name}: layer {i} is outside 0..{self.num_layers - 1}")
+                    raise ValueError(f"model.gpt.{name}: layer {i} is outside 0..{self.num_layers - 1} "
+                                     f"(model.gpt.num_layers is {self.num_layers}); set --model.gpt.{name} "
+                                     "for that depth too")
 
         if self.ngram_rows:  # ngram_layers only matter (and are checked) when the table is on
             check_ngram_rows(self.ngram_rows)

@@ -172,7 +172,7 @@ def _term_table(
         # RECORD §2: the target k positions ahead in the packed micro-batch; only the
         # batch end masks a term, document ends do not.
         tpos[: n - k, k] = tgt_pos[k:]
-    weights = [float(w) for w in mtp_weights]
+    weights = [] if isinstance(mtp_weights, torch.Tensor) else [float(w) for w in mtp_weights]
     if use_prefix:
         pf = prefix_targets
         bad = bad | (pf >= n_classes).any()
@@ -182,6 +182,13 @@ def _term_table(
         # RECORD §6: a prefix target absent from the candidates has its term skipped.
         tpos[:, k_mtp] = torch.where(pf_ok, pf_pos, -1)
         weights.append(float(prefix_weight))
+    if isinstance(mtp_weights, torch.Tensor):
+        # MTP weights as a device tensor (a CUDA graph's input, nanogpt_pl/capture.py): no host
+        # copy; the prefix weight is a fill (its value is part of the graph's key)
+        tail = torch.zeros(width - k_mtp, dtype=torch.float32, device=device)
+        if use_prefix:
+            tail[:1].fill_(float(prefix_weight))
+        return tpos, torch.cat([mtp_weights.to(device=device, dtype=torch.float32), tail]), n_terms, bad
     weights += [0.0] * (width - len(weights))
     tw = _to_device(torch.tensor(weights, dtype=torch.float32), device)
     return tpos, tw, n_terms, bad
@@ -317,7 +324,8 @@ def lm_head_loss(
         weight: ``[V, D]`` lm_head weight, row v = class v.
         targets: ``[N]`` int64 next-token targets.
         candidates: sorted unique class ids ``[P]`` (CPU or device); None = full softmax.
-        mtp_weights: weight of the next-token term and of each further MTP term (schedule).
+        mtp_weights: weight of the next-token term and of each further MTP term (schedule); a
+            1-D tensor (on the device) is read there, without a host round trip.
         prefix_targets: ``[N]`` int64 prefix-token target of each row, -1 = none.
         prefix_weight: weight of the prefix term (0 switches it off).
         backend: ``"reference"`` (plain PyTorch autograd, fp32 softmax over the gathered
@@ -347,7 +355,9 @@ def lm_head_loss(
         raise ValueError(f"lm_head_loss: prefix_targets must be integer [N] = [{n}]; got "
                          f"{tuple(prefix_targets.shape)} {prefix_targets.dtype}")
     if isinstance(mtp_weights, torch.Tensor):
-        mtp_weights = [float(w) for w in mtp_weights.detach().cpu().tolist()]
+        if mtp_weights.dim() != 1:
+            raise ValueError(f"lm_head_loss: mtp_weights must be 1-D; got shape {tuple(mtp_weights.shape)}")
+        mtp_weights = mtp_weights.detach()  # read on the device: no host sync
     if len(mtp_weights) == 0:
         raise ValueError("lm_head_loss: mtp_weights needs at least the next-token weight, e.g. (1.0,)")
     check_backend(backend)

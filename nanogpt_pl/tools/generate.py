@@ -51,11 +51,11 @@ def find_checkpoint(path: str | Path) -> Path:
         found = sorted(p.glob("*.ckpt"), key=lambda f: f.stat().st_mtime)
         if not found:
             raise FileNotFoundError(f"no .ckpt file in {p}; pass a checkpoint written by ModelCheckpoint "
-                                    "(e.g. checkpoints/quickstart/last.ckpt)")
+                                    "(e.g. logs/quickstart/csv/version_0/checkpoints/last.ckpt)")
         return found[-1]
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint {p} not found; pass a .ckpt written by ModelCheckpoint "
-                                "(e.g. checkpoints/quickstart/last.ckpt)")
+                                "(e.g. logs/quickstart/csv/version_0/checkpoints/last.ckpt)")
     return p
 
 

@@ -48,6 +48,23 @@ class WeightCache:
     col: Tensor  # [in, out] e4m3, contiguous (a view of row on the reference path)
 
 
+def keep_addresses(old: Optional[WeightCache], new: WeightCache) -> WeightCache:
+    """``new``'s values written into ``old``'s tensors when their layouts match (else ``new``).
+
+    Used while a state holds its cache addresses (:meth:`Fp8State.hold_cache_addresses`).
+    """
+    if old is None or not (_same_layout(old.row, new.row) and _same_layout(old.col, new.col)):
+        return new
+    old.row.copy_(new.row)
+    if old.col.untyped_storage().data_ptr() != old.row.untyped_storage().data_ptr():
+        old.col.copy_(new.col)  # the fast path's column-major copy (the reference's is a view of row)
+    return old
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+
+
 def fold_delayed(amax: Tensor, scale: Tensor, gain: float, floor: float) -> None:
     """scale <- max(amax·gain, floor) where something was seen (amax > 0); amax <- 0.
 
@@ -80,10 +97,47 @@ class Fp8State(nn.Module):
         self._cache_kern: Optional[str] = None
         self._kernels_override: Any = None  # tests run the fast path on CPU under TRITON_INTERPRET=1
         self._warned_recomputed = False
+        self._hold = False  # see hold_cache_addresses
+        self._last_call: Optional[tuple] = None  # (weights, kernels) of the last refresh, for refresh_cache
 
     def invalidate(self) -> None:
         """Force the weight cache (and the delayed scales) to refresh at the next call."""
         self._cache_key = None
+
+    # -- CUDA graphs (nanogpt_pl/capture.py) --------------------------------------------------
+    def hold_cache_addresses(self, on: bool = True) -> None:
+        """Refresh the FP8 weight copies in place, so their tensors keep their addresses.
+
+        A captured CUDA graph reads the copies by address and runs none of the host-side
+        staleness check: with this on, call :meth:`refresh_cache` before every replay. A
+        refresh inside a capture raises (the capture then falls back to eager).
+        """
+        self._hold = on
+
+    def refresh_cache(self) -> bool:
+        """Run the staleness check (and the refresh, with the delayed scales) now, eagerly, on the
+        weights of the last call; True if it refreshed. Nothing happens before the first call."""
+        if self._last_call is None:
+            return False
+        before = self._refreshes
+        weights, kern = self._last_call
+        self._refresh_with(weights, kern)
+        return self._refreshes != before
+
+    def cache_tensors(self) -> list[Tensor]:
+        """The FP8 weight copies a forward reads (their addresses are what a graph bakes in)."""
+        return []
+
+    def _refresh_with(self, weights: tuple, kern: Any) -> None:
+        raise NotImplementedError
+
+    def _before_refresh(self, weights: tuple, kern: Any) -> None:
+        """Bookkeeping of every refresh: remember the weights; refuse to run inside a capture."""
+        w = weights[0]
+        if self._hold and w.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.config_key}: the FP8 weight cache went stale inside a CUDA graph capture; "
+                               "call refresh_cache() before capturing")
+        self._last_call = (tuple(weights), kern)
 
     def _kernels(self, device: torch.device) -> Any:
         if self._kernels_override is not None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import check_aligned, round_up
-from .cache import Fp8State, WeightCache, keys_match, scalar_buffer, weight_key
+from .cache import Fp8State, WeightCache, keep_addresses, keys_match, scalar_buffer, weight_key
 from .formats import (
     E4M3,
     E4M3_MAX,
@@ -77,6 +77,7 @@ class Fp8LinearState(Fp8State):
         key = tuple(weight_key(p) for p in parts)
         if self._cache is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
             return self._cache
+        self._before_refresh(tuple(parts), kern)
         for p in parts:
             self._check_recomputed(p)
         w = parts[0].detach() if len(parts) == 1 else torch.cat([p.detach() for p in parts])
@@ -88,10 +89,17 @@ class Fp8LinearState(Fp8State):
         torch.reciprocal(self.grad_scale, out=self._grad_inv)
         row, col, amax = kern.quant_weight(w, self._w_inv)
         self.w_amax.copy_(amax)
-        self._cache = WeightCache(row, col)
+        new = WeightCache(row, col)
+        self._cache = keep_addresses(self._cache, new) if self._hold else new
         self._cache_key, self._cache_kern = key, kern.name
         self._count_refresh()
         return self._cache
+
+    def _refresh_with(self, weights: tuple, kern: Any) -> None:
+        self.cache_for(weights, kern)
+
+    def cache_tensors(self) -> list[Tensor]:
+        return [] if self._cache is None else [self._cache.row, self._cache.col]
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import check_aligned, round_up
-from .cache import Fp8State, WeightCache, fold_delayed, keys_match, scalar_buffer, weight_key
+from .cache import Fp8State, WeightCache, fold_delayed, keep_addresses, keys_match, scalar_buffer, weight_key
 from .formats import (
     DPRE_HEADROOM,
     DPRE_SCALE_BOOTSTRAP,
@@ -86,6 +86,7 @@ class Fp8MLPState(Fp8State):
         key = (weight_key(w_fc), weight_key(w_proj))
         if self._w1 is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
             return self._w1, self._w2
+        self._before_refresh((w_fc, w_proj), kern)
         self._check_recomputed(w_fc)
         self._check_recomputed(w_proj)
         self._follow_device(w_fc.device)
@@ -111,10 +112,18 @@ class Fp8MLPState(Fp8State):
             for name in ("x", "post", "dpre", "grad"):
                 torch.reciprocal(getattr(self, f"{name}_scale"), out=getattr(self, f"_{name}_inv"))
             self.refresh_count.add_(1)
+        if self._hold:
+            caches = [keep_addresses(self._w1, caches[0]), keep_addresses(self._w2, caches[1])]
         self._w1, self._w2 = caches
         self._cache_key, self._cache_kern = key, kern.name
         self._refreshes += 1
         return self._w1, self._w2
+
+    def _refresh_with(self, weights: tuple, kern: Any) -> None:
+        self.caches_for(weights[0], weights[1], kern)
+
+    def cache_tensors(self) -> list[Tensor]:
+        return [t for c in (self._w1, self._w2) if c is not None for t in (c.row, c.col)]
 
     def _refresh_fused(self, w_fc: Tensor, w_proj: Tensor, exact: bool, kern: Any) -> list[WeightCache]:
         """The same refresh as the PyTorch branch of :meth:`caches_for` in three launches (plus

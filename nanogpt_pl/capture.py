@@ -1,0 +1,597 @@
+"""Whole-micro-batch CUDA graphs: one per configuration key, static buffers, a replay-vs-eager self-check.
+
+RECORD §11: the record captures the forward (loss) and the backward of a micro-batch once
+per *configuration key*, everything that decides which kernels run with which shapes and
+Python-side constants (tokens, ``cu_seqlens`` length, MTP terms, candidate count, prefix
+weight, windows, longest document), and replays it for every later micro-batch of that key.
+Here one graph holds forward + loss + backward of one micro-batch:
+
+- **Static inputs.** The micro-batch's tensors (token ids, targets, ``cu_seqlens``,
+  candidates, prefix targets, the MTP weights as a device tensor) and the sparse leaves the
+  n-gram / value-embedding exchange pulled are copied into the graph's own buffers before
+  each replay. The exchange itself stays eager, between the graphs (pull before, gradient
+  hand-back after).
+- **Persistent gradients.** The backward accumulates in place into ``.grad`` buffers this
+  module owns (allocated once, zeroed when a step first uses them), so the optimizers'
+  ``zero_grad(set_to_none=True)`` never frees what a graph writes to. A parameter gets a
+  buffer only if the key's eager run gave it a gradient (a parameter an eager step leaves
+  at ``None`` stays ``None``, so optimizers skip it as before).
+- **Python-side state.** What the forward reads as Python numbers is in the key; what it
+  reads as tensors (FP8 delayed scales, amaxes, rotary frequencies) is read at replay time.
+  The FP8 weight caches are brought up to date eagerly before every micro-batch
+  (``Fp8State.refresh_cache``) and refresh in place (``Fp8State.hold_cache_addresses``),
+  because a replay runs none of their host-side staleness checks.
+- **Visits.** The first visit of a key runs eagerly (compilation, Triton autotuning, cuBLAS
+  workspaces). The second captures, on a side stream warmed by an eager run of the same
+  micro-batch, replays, and compares: loss within :data:`SELF_CHECK_RTOL` and the gradients
+  within :data:`GRAD_CHECK_RTOL` (norm-wise), else one warning and the key stays eager. The
+  eager run's result is the one kept, so the self-check changes nothing the step computes.
+  Any exception while capturing is a warning and eager for that key, never an error.
+
+Also the host side of a fast step: :class:`RunAhead` (the CPU at most two steps ahead of
+the GPU) and :class:`FrozenGC` (the collector off while the speedrun clock runs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+# RECORD §11: replay vs eager loss within 5e-4 relative (fp16/fp32 atomics jitter ~1e-4).
+SELF_CHECK_RTOL = 5e-4
+# Whole-model gradient norm of (replay - eager) over the eager gradient's norm. Atomics in the
+# attention backward move a bf16 gradient by an ulp here and there (~1e-3 norm-wise at most);
+# a graph that read a stale value is off by far more.
+GRAD_CHECK_RTOL = 1e-2
+# RECORD §11: host run-ahead is throttled to 2 steps.
+RUN_AHEAD_STEPS = 2
+
+
+# -- configuration keys ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CaptureKey:
+    """Everything that decides what one micro-batch's graph computes, besides tensor values.
+
+    The record's key (RECORD §11) is (T, max docs, MTP weights, P, prefix weight, short window,
+    long window, max doc length); the rest are constants of a run that the forward also reads
+    as Python numbers (YaRN-adjusted softmax scales, the 1/micro-batches factor of the loss)
+    and the layout of every input tensor.
+
+    Attributes:
+        tokens: T, tokens of the micro-batch.
+        max_docs: length of ``cu_seqlens`` (the padded document count + 1).
+        max_seqlen: the longest segment the attention kernel is told to expect.
+        windows: (short, long) attention windows.
+        attn_scales: softmax scale of each rotary chain.
+        candidates: sampled-softmax candidate count P (None = full vocabulary).
+        mtp_terms: number of multi-token-prediction weights (their values are a tensor input).
+        prefix_weight: weight of the prefix loss (0 = off).
+        micro_batches: micro-batches of the step (the loss is scaled by T / micro-batches).
+        layout: (name, shape, dtype, requires_grad) of every input tensor and (name, value) of
+            every other input.
+    """
+
+    tokens: int
+    max_docs: int
+    max_seqlen: int
+    windows: tuple[int, int]
+    attn_scales: tuple[float, ...]
+    candidates: Optional[int]
+    mtp_terms: int
+    prefix_weight: float
+    micro_batches: int
+    layout: tuple = ()
+
+
+def _flatten(value: Any, name: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, leaf) pairs of a nest of dicts, lists and dataclasses."""
+    if isinstance(value, dict):
+        return [item for k in sorted(value) for item in _flatten(value[k], f"{name}.{k}" if name else str(k))]
+    if isinstance(value, (list, tuple)) and not isinstance(value, Tensor):
+        return [item for i, v in enumerate(value) for item in _flatten(v, f"{name}[{i}]")]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [item for f in dataclasses.fields(value) for item in _flatten(getattr(value, f.name),
+                                                                             f"{name}.{f.name}")]
+    return [(name, value)]
+
+
+def input_layout(inputs: Any) -> tuple:
+    """The part of a key that the inputs' structure decides (see :attr:`CaptureKey.layout`)."""
+    out = []
+    for name, v in _flatten(inputs):
+        if isinstance(v, Tensor):
+            out.append((name, tuple(v.shape), v.dtype, v.requires_grad))
+        else:
+            out.append((name, v))
+    return tuple(out)
+
+
+def capture_key(mb: dict[str, Any], sparse: Optional[dict[str, Any]], *, windows: Sequence[int],
+                attn_scales: Sequence[float], mtp_terms: int, prefix_weight: float, micro_batches: int) -> CaptureKey:
+    """The key of one micro-batch (``mb`` as :meth:`SpeedrunModule._micro_loss` reads it)."""
+    cand = mb.get("candidates")
+    prefix_on = mb.get("prefix_targets") is not None and float(prefix_weight) != 0.0
+    return CaptureKey(
+        tokens=int(mb["inputs"].numel()),
+        max_docs=int(mb["cu_seqlens"].numel()),
+        max_seqlen=int(mb["max_seqlen"]),
+        windows=(int(windows[0]), int(windows[1])),
+        attn_scales=tuple(float(s) for s in attn_scales),
+        candidates=None if cand is None else int(cand.numel()),
+        mtp_terms=int(mtp_terms),
+        prefix_weight=float(prefix_weight) if prefix_on else 0.0,
+        micro_batches=int(micro_batches),
+        layout=input_layout({"mb": mb, "sparse": sparse or {}}),
+    )
+
+
+def schedule_key(schedule: Any, step: int) -> tuple:
+    """The schedule's share of a step's capture keys: steps with equal values share their graphs.
+
+    The speedrun timer's warmup visits the first two steps of each (RECORD §11: every key gets
+    two untimed visits, capture and self-check).
+    """
+    return (schedule.batch_tokens(step), schedule.seq_len(step), schedule.max_doc_len(step),
+            schedule.attention_split(step), schedule.windows(step), schedule.candidates(step),
+            len(schedule.mtp_weights(step)), schedule.prefix_weight(step))
+
+
+def max_seqlen_bound(schedule: Any, mb: dict[str, Any]) -> int:
+    """The longest segment a micro-batch of its step can hold: the stage's document cap (or the
+    attention split below it), at most T. A captured attention kernel is sized for this bound,
+    so every batch of a key fits it (``max_seqlen`` only sizes the kernel's grid)."""
+    n = int(mb["inputs"].numel())
+    step = mb.get("step")
+    if schedule is None or step is None:
+        return n
+    bound = schedule.max_doc_len(step)
+    split = schedule.attention_split(step)
+    if split is not None:
+        bound = min(bound, split)
+    return min(n, int(bound))
+
+
+# -- the graphs ----------------------------------------------------------------------------------
+def _static_copy(value: Any) -> Any:
+    """A same-layout copy of a nest of tensors; a leaf that requires grad stays one."""
+    if isinstance(value, Tensor):
+        t = value.detach().clone()
+        return t.requires_grad_(True) if value.requires_grad else t
+    if isinstance(value, dict):
+        return {k: _static_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_static_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_static_copy(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _static_copy(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def _tensor_pairs(static: Any, live: Any) -> list[tuple[Tensor, Tensor]]:
+    a, b = _flatten(static), _flatten(live)
+    return [(s, v) for (_, s), (_, v) in zip(a, b) if isinstance(s, Tensor)]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@dataclass
+class _Entry:
+    visits: int = 0
+    graph: Any = None
+    static_inputs: Any = None
+    static_loss: Optional[Tensor] = None
+    static_grads: tuple = ()  # the gradients the graph writes for the sparse leaves, in input order
+    used: tuple = ()  # parameters the key's backward gives a gradient
+    eager_only: bool = False
+
+
+@dataclass
+class SelfCheck:
+    """What a capture's self-check measured (kept per key in :attr:`StepGraphs.checks`)."""
+
+    loss_eager: float
+    loss_replay: float
+    loss_rel: float
+    grad_rel: float
+    passed: bool
+
+
+class StepGraphs:
+    """One CUDA graph per configuration key over forward + loss + backward of a micro-batch.
+
+    Generic over the model: :meth:`run` takes the key, the micro-batch's inputs (a nest of
+    dicts/dataclasses of tensors; tensors that require grad are the sparse leaves) and two
+    callables, ``forward(inputs) -> (loss, scaled)`` and ``backward(scaled)`` (the eager
+    backward, e.g. Lightning's ``manual_backward``; captures call ``torch.autograd.backward``).
+
+    Args:
+        params: the parameters whose gradients the backward accumulates.
+        before_micro_batch: called before every micro-batch, eager or replayed (refreshes the
+            FP8 weight caches, which a replay cannot check).
+        fingerprint: returns the addresses the graphs bake in beyond their own buffers
+            (parameters, buffers, FP8 caches); checked once per step, a change drops every graph.
+        self_check_rtol / grad_check_rtol: the self-check's tolerances.
+    """
+
+    def __init__(self, params: Sequence[Tensor], before_micro_batch: Optional[Callable[[], None]] = None,
+                 fingerprint: Optional[Callable[[], tuple]] = None, self_check_rtol: float = SELF_CHECK_RTOL,
+                 grad_check_rtol: float = GRAD_CHECK_RTOL) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.before_micro_batch = before_micro_batch
+        self.fingerprint = fingerprint
+        self.self_check_rtol = self_check_rtol
+        self.grad_check_rtol = grad_check_rtol
+        self.entries: dict[Any, _Entry] = {}
+        self.checks: dict[Any, SelfCheck] = {}
+        self.grads: dict[int, Tensor] = {}  # id(param) -> persistent gradient buffer
+        # static input buffers by input layout: keys of one layout (same T) share them, since
+        # every replay copies its inputs in first
+        self._statics: dict[tuple, Any] = {}
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._pool = None
+        self._fingerprint: Optional[tuple] = None
+        self.enabled = True
+        self.replays = 0  # micro-batches run from a graph (self-check replays not counted)
+        self.eager_runs = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def captured_keys(self) -> list:
+        return [k for k, e in self.entries.items() if e.graph is not None]
+
+    def reset(self) -> None:
+        """Drop every graph and visit count (the next two visits of each key capture again)."""
+        self.entries.clear()
+        self.checks.clear()
+        self._statics.clear()
+
+    def begin_step(self) -> None:
+        """Verify the baked addresses (once per step); if any moved, drop the graphs."""
+        if self.fingerprint is None or self._fingerprint is None or not self.captured_keys():
+            return
+        if self.fingerprint() != self._fingerprint:
+            warnings.warn("CUDA graphs: parameters, buffers or FP8 caches moved in memory; capturing again")
+            self.reset()
+            self._fingerprint = None
+
+    def _attach(self, used: Sequence[Tensor]) -> None:
+        """Point each used parameter's ``.grad`` at its buffer, keeping what the step accumulated."""
+        fresh = []
+        for p in used:
+            buf = self.grads[id(p)]
+            g = p.grad
+            if g is buf:
+                continue
+            if g is None:
+                fresh.append(buf)
+            else:
+                buf.copy_(g)
+            p.grad = buf
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    # -- one micro-batch -----------------------------------------------------------------------
+    def run(self, key: Any, inputs: Any, forward: Callable[[Any], tuple[Tensor, Tensor]],
+            backward: Callable[[Tensor], None]) -> Tensor:
+        """Forward, loss and backward of one micro-batch; returns the (detached) loss."""
+        if self.before_micro_batch is not None:
+            self.before_micro_batch()
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry()
+        entry.visits += 1
+        if not self.enabled or entry.eager_only or (entry.graph is None and entry.visits < 2):
+            self.eager_runs += 1
+            return self._eager(inputs, forward, backward)
+        if entry.graph is None:
+            return self._capture(key, entry, inputs, forward, backward)
+        return self._replay(entry, inputs)
+
+    @staticmethod
+    def _eager(inputs: Any, forward, backward) -> Tensor:
+        loss, scaled = forward(inputs)
+        backward(scaled)
+        return loss.detach()
+
+    def _replay(self, entry: _Entry, inputs: Any) -> Tensor:
+        self._attach(entry.used)
+        pairs = _tensor_pairs(entry.static_inputs, inputs)
+        with torch.no_grad():
+            for s, v in pairs:
+                s.copy_(v, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        leaves = [v for _, v in pairs if v.requires_grad]
+        for v, g in zip(leaves, entry.static_grads):
+            if g is not None:
+                v.grad = g.clone()  # the next replay overwrites the static gradient
+        return entry.static_loss.clone()
+
+    def _capture(self, key: Any, entry: _Entry, inputs: Any, forward, backward) -> Tensor:
+        """Second visit: eager run on the capture stream, capture, replay, compare; keep the eager result."""
+        self.eager_runs += 1
+        current = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        side = self._stream
+        # what the step accumulated so far; a persistent buffer is copied (the capture reuses it)
+        stash = [g.clone() if g is not None and g is self.grads.get(id(p)) else g
+                 for p, g in ((p, p.grad) for p in self.params)]
+        for p in self.params:
+            p.grad = None
+        leaves = [v for _, v in _flatten(inputs) if isinstance(v, Tensor) and v.requires_grad]
+        # 1. the eager run (it is the one whose result the step keeps), on the capture stream so
+        #    its cuBLAS workspaces exist before the capture
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            loss_e, scaled = forward(inputs)
+            backward(scaled)
+            loss_e = loss_e.detach()
+        current.wait_stream(side)
+        eager_grads = [p.grad for p in self.params]
+        used = tuple(p for p in self.params if p.grad is not None)
+        leaf_grads = [v.grad for v in leaves]
+        try:
+            graph, static_inputs, static_loss, static_grads = self._record(used, inputs, forward)
+        except Exception as err:  # pragma: no cover - depends on the model and the GPU toolchain
+            warnings.warn(f"CUDA graphs: capturing key {_short(key)} failed ({type(err).__name__}: {err}); "
+                          "this key runs eagerly")
+            entry.eager_only = True
+            graph = None
+        check = None
+        if graph is not None:
+            for p in self.params:
+                p.grad = None
+            self._attach(used)
+            graph.replay()
+            by_id = {id(p): g for p, g in zip(self.params, eager_grads)}
+            pairs = [(by_id[id(p)], self.grads[id(p)]) for p in used]
+            pairs += [(e, g) for e, g in zip(leaf_grads, static_grads) if e is not None and g is not None]
+            check = self._compare(loss_e, static_loss, pairs)
+            self.checks[key] = check
+            if check.passed:
+                entry.graph, entry.static_inputs, entry.static_loss = graph, static_inputs, static_loss
+                entry.static_grads, entry.used = static_grads, used
+                if self.fingerprint is not None:
+                    self._fingerprint = self.fingerprint()
+            else:
+                warnings.warn(f"CUDA graphs: the replay of key {_short(key)} differs from eager (loss "
+                              f"{check.loss_replay:.6g} vs {check.loss_eager:.6g}, gradients {check.grad_rel:.2e} "
+                              "relative); this key runs eagerly")
+                entry.eager_only = True
+        # 3. leave the gradients as one eager run would: accumulate the eager run's on the stash
+        for p, old, new in zip(self.params, stash, eager_grads):
+            if new is None:
+                p.grad = old
+            elif old is None:
+                p.grad = new
+            else:
+                p.grad = old.add_(new)
+        for v, g in zip(leaves, leaf_grads):
+            v.grad = g
+        return loss_e
+
+    def _record(self, used: Sequence[Tensor], inputs: Any, forward) -> tuple[Any, Any, Tensor, tuple]:
+        for p in used:
+            if id(p) not in self.grads:
+                self.grads[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        layout = input_layout(inputs)
+        static_inputs = self._statics.get(layout)
+        if static_inputs is None:
+            static_inputs = self._statics[layout] = _static_copy(inputs)
+        else:
+            with torch.no_grad():
+                for s, v in _tensor_pairs(static_inputs, inputs):
+                    s.copy_(v)
+        static_leaves = [v for _, v in _flatten(static_inputs) if isinstance(v, Tensor) and v.requires_grad]
+        for v in static_leaves:
+            v.grad = None  # this graph's backward writes a gradient of its own (another key's stays its)
+        for p in self.params:
+            p.grad = None
+        self._attach(used)
+        graph = torch.cuda.CUDAGraph()
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream())
+        # thread_local: the data loader's prefetch thread may pin memory meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            loss, scaled = forward(static_inputs)
+            torch.autograd.backward(scaled)
+            static_loss = loss.detach()
+        return graph, static_inputs, static_loss, tuple(v.grad for v in static_leaves)
+
+    def _compare(self, loss_e: Tensor, loss_g: Tensor, grads: Sequence[tuple[Tensor, Tensor]]) -> SelfCheck:
+        """Loss and whole-model gradient of the replay against the eager run's (``grads``: (eager, replay))."""
+        num = torch.zeros((), dtype=torch.float64, device=loss_e.device)
+        den = torch.zeros((), dtype=torch.float64, device=loss_e.device)
+        for e, g in grads:
+            e, g = e.double(), g.double()
+            num += (g - e).square().sum()
+            den += e.square().sum()
+        le, lg = float(loss_e), float(loss_g)
+        grad_rel = math.sqrt(float(num) / max(float(den), 1e-300)) if grads else 0.0
+        loss_rel = _rel(lg, le)
+        finite = math.isfinite(lg) == math.isfinite(le) and math.isfinite(grad_rel)
+        passed = finite and (loss_rel <= self.self_check_rtol or lg == le) and grad_rel <= self.grad_check_rtol
+        return SelfCheck(loss_eager=le, loss_replay=lg, loss_rel=loss_rel, grad_rel=grad_rel, passed=passed)
+
+
+def _short(key: Any) -> str:
+    if isinstance(key, CaptureKey):
+        return (f"(T={key.tokens}, docs={key.max_docs}, max_seqlen={key.max_seqlen}, windows={key.windows}, "
+                f"P={key.candidates}, mtp={key.mtp_terms}, prefix={key.prefix_weight})")
+    return repr(key)[:200]
+
+
+# -- the module's side -----------------------------------------------------------------------------
+_MB_TENSORS = ("inputs", "targets", "cu_seqlens", "candidates", "prefix_targets")
+
+
+class ModuleGraphs:
+    """:class:`StepGraphs` wired to a :class:`~nanogpt_pl.module.SpeedrunModule` (``model.cuda_graphs``).
+
+    The module's ``run_step`` calls :meth:`micro_step` per micro-batch instead of its eager
+    forward/backward; the sparse exchange around it stays the module's.
+    """
+
+    def __init__(self, module: Any) -> None:
+        from .ops.fp8.cache import Fp8State
+
+        self.module = module
+        self.fp8_states = [m for m in module.model.modules() if isinstance(m, Fp8State)]
+        for st in self.fp8_states:
+            st.hold_cache_addresses(True)
+        self.graphs = StepGraphs(list(module.model.parameters()), before_micro_batch=self._refresh_fp8,
+                                 fingerprint=self._fingerprint)
+        self._mtp: Optional[tuple[tuple, Tensor]] = None
+        self._warned_bound = False
+
+    def _refresh_fp8(self) -> None:
+        for st in self.fp8_states:
+            st.refresh_cache()
+
+    def _fingerprint(self) -> tuple:
+        model = self.module.model
+        ptrs = [t.data_ptr() for t in model.parameters()]
+        ptrs += [t.data_ptr() for t in model.buffers()]
+        for st in self.fp8_states:
+            ptrs += [t.data_ptr() for t in st.cache_tensors()]
+        return tuple(ptrs)
+
+    def _mtp_weights(self, weights: tuple, device: torch.device) -> Tensor:
+        """The MTP weights as a device tensor (a graph input: they change every step, RECORD §2)."""
+        if self._mtp is None or self._mtp[0] != weights:
+            host = torch.tensor([float(w) for w in weights], dtype=torch.float32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._mtp = (weights, host.to(device, non_blocking=True))
+        return self._mtp[1]
+
+    def begin_step(self) -> None:
+        self.graphs.begin_step()
+
+    def micro_step(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]], micro_batches: int) -> Tensor:
+        """Forward, loss and backward of one micro-batch through its key's graph; the detached loss."""
+        module = self.module
+        s = module.settings
+        device = mb["inputs"].device
+        bound = max_seqlen_bound(module.schedule, mb)
+        run_mb = {k: mb[k] for k in _MB_TENSORS if mb.get(k) is not None}
+        if int(mb["max_seqlen"]) > bound:
+            if not self._warned_bound:
+                self._warned_bound = True
+                warnings.warn(f"CUDA graphs: a micro-batch has a segment of {int(mb['max_seqlen'])} tokens, above the "
+                              f"stage's bound {bound}; such micro-batches run eagerly")
+            run_mb["max_seqlen"] = int(mb["max_seqlen"])
+            return self._eager_call()(run_mb, sparse, micro_batches)
+        run_mb["max_seqlen"] = bound
+        run_mb["mtp_weights"] = self._mtp_weights(tuple(s.mtp_weights), device)
+        scales = tuple(rot.attn_scale for rot in module.model.rotaries.values())
+        key = capture_key(run_mb, sparse, windows=s.windows, attn_scales=scales, mtp_terms=len(s.mtp_weights),
+                          prefix_weight=s.prefix_weight, micro_batches=micro_batches)
+        scale = run_mb["targets"].numel() / micro_batches
+
+        def forward(inp):
+            loss = module._micro_loss(inp["mb"], inp["sparse"] or None)
+            return loss, loss * scale
+
+        return self.graphs.run(key, {"mb": run_mb, "sparse": sparse or {}}, forward, self._backward())
+
+    def _backward(self) -> Callable[[Tensor], None]:
+        module = self.module
+        return (lambda t: t.backward()) if module._plain_optimizer is not None else module.manual_backward
+
+    def _eager_call(self):
+        module = self.module
+
+        def call(mb, sparse, micro_batches):
+            loss = module._micro_loss(mb, sparse)
+            self._backward()(loss * (mb["targets"].numel() / micro_batches))
+            return loss.detach()
+
+        return call
+
+
+def cuda_graphs_active(requested: bool, device: torch.device) -> bool:
+    """Whether ``model.cuda_graphs`` takes effect on ``device`` (CUDA only; elsewhere one warning)."""
+    if not requested:
+        return False
+    if device.type != "cuda":
+        warnings.warn(f"model.cuda_graphs: true has no effect on {device.type} (CUDA graphs need a CUDA GPU); "
+                      "the step runs eagerly")
+        return False
+    return True
+
+
+# -- host side ---------------------------------------------------------------------------------------
+class RunAhead:
+    """Keep the host at most ``depth`` steps ahead of the GPU (RECORD §11: 2).
+
+    :meth:`step_done` records an event after each step's work and waits for the event of the
+    step ``depth`` before it; a no-op off CUDA.
+    """
+
+    def __init__(self, depth: int = RUN_AHEAD_STEPS) -> None:
+        if depth < 1:
+            raise ValueError(f"run-ahead depth must be at least 1, got {depth}")
+        self.depth = depth
+        self._events: collections.deque = collections.deque()
+
+    def step_done(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._events.append(event)
+        while len(self._events) > self.depth:
+            self._events.popleft().synchronize()
+
+    def pending(self) -> int:
+        """Steps recorded and not yet waited for."""
+        return len(self._events)
+
+    def clear(self) -> None:
+        self._events.clear()
+
+
+class FrozenGC:
+    """The Python garbage collector frozen and disabled while the speedrun clock runs (RECORD §11).
+
+    :meth:`pause` collects once, moves every live object to the permanent generation
+    (``gc.freeze``) and disables collection; :meth:`resume` undoes exactly what ``pause``
+    changed. Both are idempotent.
+    """
+
+    def __init__(self) -> None:
+        self._was_enabled: Optional[bool] = None
+
+    @property
+    def paused(self) -> bool:
+        return self._was_enabled is not None
+
+    def pause(self) -> None:
+        if self.paused:
+            return
+        self._was_enabled = gc.isenabled()
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+
+    def resume(self) -> None:
+        if not self.paused:
+            return
+        gc.unfreeze()
+        if self._was_enabled:
+            gc.enable()
+        self._was_enabled = None

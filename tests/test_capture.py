@@ -1,0 +1,398 @@
+"""Whole-step CUDA graphs (nanogpt_pl/capture.py), the parts that run on a CPU.
+
+The graphs themselves need a GPU (``tests/test_capture_gpu.py``); here: which changes of a
+micro-batch or of the settings make a new configuration key, that the speedrun timer's warmup
+visits every key twice, the CPU fallback (the option is a no-op there, with one warning), the
+device-side MTP weights of the loss, the FP8 caches that refresh in place, the gradient
+bookkeeping, the run-ahead throttle and the frozen garbage collector.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from callbacks.speedrun_timer import default_warmup_steps  # noqa: E402
+from nanogpt_pl.backends import Backends  # noqa: E402
+from nanogpt_pl.capture import (  # noqa: E402
+    CaptureKey,
+    FrozenGC,
+    RunAhead,
+    StepGraphs,
+    _flatten,
+    _static_copy,
+    _tensor_pairs,
+    capture_key,
+    cuda_graphs_active,
+    max_seqlen_bound,
+    schedule_key,
+)
+from nanogpt_pl.data.planning import max_num_docs  # noqa: E402
+from nanogpt_pl.model.embeddings import CompactRows, NgramInput  # noqa: E402
+from nanogpt_pl.model.gpt import GPTConfig  # noqa: E402
+from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule  # noqa: E402
+from nanogpt_pl.ops.cross_entropy import lm_head_loss  # noqa: E402
+from nanogpt_pl.ops.fp8 import Fp8LinearState, Fp8MLPState, fp8_linear, fp8_mlp  # noqa: E402
+from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
+
+BOS = 50256
+
+
+# -- shared helpers (also used by test_capture_gpu.py) ------------------------------------------
+def every_technique_gpt(**kw) -> GPTConfig:
+    """A small GPT with every technique on: FP8 everywhere, n-gram table, value embeddings, smear, skip."""
+    base = dict(vocab_size=50304, num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128,
+                long_window_layers=[3], value_embed_layers=[1, 2], skip_from=1, skip_to=3,
+                fp8_mlp=True, fp8_head=True, fp8_qkv=True, ngram_rows=4096, ngram_layers=[1, 2])
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def every_technique_schedule(steps: int = 8, seq_len: int = 512, micro_batches: int = 2) -> Schedule:
+    """Sampled softmax, three MTP weights falling to two, a prefix loss; ``micro_batches`` per step on one device."""
+    stage = Stage(steps=steps, batch_tokens=micro_batches * seq_len, seq_len=seq_len, max_doc_len=256,
+                  window_short=64, window_long=256, lr_mul=1.0, candidates=2048, prefix_weight=0.25,
+                  mtp_start=[1.0, 0.5, 0.25], mtp_end=[1.0, 0.5, 0.0])
+    return Schedule(stages=[stage], warmup_steps=0, cooldown_frac=0.5, adam_every=1, untie_step=None,
+                    sparse_cadence_start=10**9, attention_cap=None, val_window_short=64, val_window_long=256)
+
+
+def make_module(device: str, cuda_graphs: bool, schedule: Schedule, gpt: GPTConfig, seed: int = 0,
+                **module_kw) -> SpeedrunModule:
+    """A SpeedrunModule driven by a plain loop (no Trainer), with a synthetic prefix table."""
+    torch.manual_seed(seed)
+    flat = AdamGroup(1.0, (0.9, 0.95), 0.0)
+    optim = OptimConfig(matrix_optimizer="adamw", matrix_lr=3e-3, matrix_weight_decay=0.0, adam_lr=3e-3,
+                        adam_weight_decay=0.0, embed=flat, lm_head=flat, value_embeds=flat, scalars=flat,
+                        ngram=AdamGroup(1.0, (0.0, 0.95), 0.0))
+    module = SpeedrunModule(gpt=gpt, optim=optim, schedule=schedule, cuda_graphs=cuda_graphs, **module_kw)
+    dev = torch.device(device)
+    module.prepare_for_training(dev)
+    module.to(dev)
+    module.use_plain_optimizer(module.configure_optimizers())
+    module.train()
+    # the prefix loss reads a token -> prefix-token table; its contents do not matter here
+    table = torch.full((gpt.vocab_size,), -1, dtype=torch.int64)
+    table[1:1000] = torch.arange(1, 1000) // 2
+    module._prefix = table
+    return module
+
+
+def packed_micro_batch(seed: int, seq_len: int, step: int, max_doc_len: int = 256, vocab: int = 1000) -> dict:
+    """One packed micro-batch of random documents (BOS-led, at most ``max_doc_len`` tokens each)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < seq_len:
+        n = min(int(torch.randint(16, max_doc_len + 1, (), generator=gen)), seq_len - total)
+        lengths.append(n)
+        total += n
+    toks = torch.randint(1, vocab, (seq_len + 1,), generator=gen)
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    toks[bounds[:-1]] = BOS
+    cu = torch.full((max_num_docs(seq_len),), seq_len, dtype=torch.int32)
+    cu[:len(bounds)] = bounds.to(torch.int32)
+    return {"inputs": toks[:-1].to(torch.int32), "targets": toks[1:].to(torch.int64), "cu_seqlens": cu,
+            "max_seqlen": max(lengths), "step": step}
+
+
+def step_batch(module: SpeedrunModule, step: int, seed: int, micro_batches: int, seq_len: int) -> list[dict]:
+    batch = [packed_micro_batch(1000 * seed + 10 * step + a, seq_len, step) for a in range(micro_batches)]
+    batch = module.prepare_batch(batch, step)
+    return module.transfer_batch_to_device(batch, module.device, 0)
+
+
+def train_losses(module: SpeedrunModule, steps: int, micro_batches: int, seq_len: int, seed: int = 0) -> list[float]:
+    losses = []
+    for step in range(steps):
+        batch = step_batch(module, step, seed, micro_batches, seq_len)
+        module.apply_schedule(step)
+        losses.append(float(module.run_step(batch)))
+    return losses
+
+
+# -- configuration keys ----------------------------------------------------------------------
+def _mb(tokens: int = 512, docs: int = 128, max_seqlen: int = 256, candidates=2048, prefix: bool = True,
+        seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    mb = {"inputs": torch.randint(0, 1000, (tokens,), generator=gen, dtype=torch.int32),
+          "targets": torch.randint(0, 1000, (tokens,), generator=gen),
+          "cu_seqlens": torch.zeros(docs, dtype=torch.int32), "max_seqlen": max_seqlen}
+    if candidates is not None:
+        mb["candidates"] = torch.arange(candidates)
+    if prefix:
+        mb["prefix_targets"] = torch.randint(-1, 1000, (tokens,), generator=gen)
+    return mb
+
+
+def _key(mb=None, sparse=None, windows=(64, 256), scales=(0.12, 0.12), mtp=3, prefix_weight=0.25, micro=2):
+    return capture_key(mb if mb is not None else _mb(), sparse, windows=windows, attn_scales=scales,
+                       mtp_terms=mtp, prefix_weight=prefix_weight, micro_batches=micro)
+
+
+def test_key_holds_the_record_fields_as_literals():
+    key = _key()
+    assert (key.tokens, key.max_docs, key.max_seqlen, key.windows, key.candidates, key.mtp_terms,
+            key.prefix_weight, key.micro_batches, key.attn_scales) == (512, 128, 256, (64, 256), 2048, 3, 0.25, 2,
+                                                                       (0.12, 0.12))
+    assert isinstance(key, CaptureKey) and hash(key) == hash(_key())
+
+
+def test_tensor_values_do_not_change_the_key():
+    # new token ids, targets, candidate ids and prefix targets are copied into the graph's buffers
+    assert _key(_mb(seed=1)) == _key(_mb(seed=2))
+
+
+@pytest.mark.parametrize("change", [
+    dict(mb=_mb(tokens=1024)),          # T
+    dict(mb=_mb(docs=256)),             # cu_seqlens length (max docs)
+    dict(mb=_mb(max_seqlen=512)),       # the longest document the attention is sized for
+    dict(mb=_mb(candidates=4096)),      # P
+    dict(mb=_mb(candidates=None)),      # full softmax
+    dict(mb=_mb(prefix=False)),         # no prefix targets
+    dict(windows=(128, 256)),           # short window
+    dict(windows=(64, 384)),            # long window
+    dict(scales=(0.12, 0.13)),          # a YaRN-adjusted softmax scale
+    dict(mtp=2),                        # MTP terms (their values are a tensor input)
+    dict(prefix_weight=0.2),            # prefix weight: a constant of the graph (RECORD §11)
+    dict(micro=4),                      # the loss is scaled by T / micro-batches
+])
+def test_each_setting_the_forward_reads_as_a_number_makes_a_new_key(change):
+    assert _key(**change) != _key()
+
+
+def test_prefix_weight_zero_is_off_and_sparse_leaf_shapes_are_in_the_key():
+    assert _key(prefix_weight=0.0).prefix_weight == 0.0
+    values = torch.zeros(1024, 64, requires_grad=True)
+    ngram = NgramInput(values=values, index=torch.zeros(2, 512, dtype=torch.long),
+                       sign_rows=torch.zeros(2, 512, dtype=torch.long))
+    a = _key(sparse={"ngram": ngram})
+    b = _key(sparse={"ngram": NgramInput(values=torch.zeros(2048, 64, requires_grad=True), index=ngram.index,
+                                         sign_rows=ngram.sign_rows)})
+    assert a != b and a != _key() and a == _key(sparse={"ngram": ngram})
+
+
+def test_max_seqlen_bound_is_the_stage_document_cap():
+    sched = Schedule()  # the record's stages (RECORD §9): caps 896, 2048, 3072; attention split 2560 (§1)
+    assert max_seqlen_bound(sched, {"inputs": torch.zeros(16384), "step": 0}) == 896
+    assert max_seqlen_bound(sched, {"inputs": torch.zeros(32768), "step": 400}) == 2048
+    assert max_seqlen_bound(sched, {"inputs": torch.zeros(49152), "step": 700}) == 2560
+    assert max_seqlen_bound(sched, {"inputs": torch.zeros(512)}) == 512  # no step: at most T
+    assert max_seqlen_bound(None, {"inputs": torch.zeros(512), "step": 3}) == 512
+
+
+def test_warmup_visits_every_key_twice_within_the_budget():
+    sched = Schedule()
+    steps = default_warmup_steps(sched, limit=40)
+    first: dict = {}
+    for s in range(sched.total_steps):
+        first.setdefault(schedule_key(sched, s), s)
+    # RECORD §11: keys first seen at steps 0, 320, 411, 501, 591, 681, 965, 1107, 1174 (411, 501 and
+    # 591 are the prefix-weight quarters); ours also drops an MTP weight at 319 and 680
+    assert {0, 320, 411, 501, 591, 681, 965, 1107, 1174} <= set(first.values())
+    for key, s in first.items():
+        assert s in steps
+        if s + 1 < sched.total_steps and schedule_key(sched, s + 1) == key:
+            assert s + 1 in steps  # the second visit: capture, then self-check
+    assert len(steps) <= 40  # RECORD §11: a budget of 40 untimed steps (the record uses 37)
+    assert default_warmup_steps(sched, limit=40) == steps
+
+
+# -- CPU fallback ----------------------------------------------------------------------------
+def test_cuda_graphs_on_cpu_is_a_no_op_with_one_warning():
+    with pytest.warns(UserWarning, match="model.cuda_graphs: true has no effect on cpu"):
+        assert not cuda_graphs_active(True, torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cuda_graphs_active(False, torch.device("cpu"))
+
+
+@pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning")
+def test_module_with_cuda_graphs_on_cpu_trains_exactly_like_eager(one_thread):
+    sched = every_technique_schedule(steps=3, seq_len=256)
+    gpt = every_technique_gpt()
+    reference = Backends(fp8="reference")
+    with pytest.warns(UserWarning, match="model.cuda_graphs"):
+        on = make_module("cpu", True, sched, gpt, backends=reference)
+    off = make_module("cpu", False, sched, gpt, backends=reference)
+    assert on._step_graphs() is None and on.sparse_channels.fixed_shapes is False
+    a = train_losses(on, 3, 2, 256)
+    b = train_losses(off, 3, 2, 256)
+    assert a == b
+    for (name, p), q in zip(on.model.named_parameters(), off.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+# -- the engine's bookkeeping ------------------------------------------------------------------
+def test_static_copies_keep_the_layout_and_leaves():
+    ngram = NgramInput(values=torch.randn(6, 4).requires_grad_(), index=torch.arange(10).view(2, 5),
+                       sign_rows=torch.ones(2, 5, dtype=torch.long), rows=torch.arange(6))
+    ve = CompactRows(values=torch.randn(2, 3, 4).requires_grad_(), index=torch.arange(5), ids=torch.arange(3))
+    live = {"mb": {"inputs": torch.arange(5), "max_seqlen": 5}, "sparse": {"ngram": ngram, "value_rows": ve}}
+    static = _static_copy(live)
+    names = [n for n, _ in _flatten(live)]
+    assert names == [n for n, _ in _flatten(static)]
+    pairs = _tensor_pairs(static, live)
+    assert len(pairs) == 8  # inputs; values, index, sign_rows, rows; values, index, ids
+    for s, v in pairs:
+        assert s is not v and torch.equal(s, v) and s.requires_grad == v.requires_grad
+        assert s.data_ptr() != v.data_ptr()
+    assert static["sparse"]["ngram"].values.is_leaf and static["mb"]["max_seqlen"] == 5
+
+
+def test_gradient_buffers_follow_eager_none_semantics():
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    graphs = StepGraphs([a, b])
+    graphs.grads = {id(a): torch.full((3,), 7.0), id(b): torch.full((2,), 7.0)}
+    b.grad = torch.tensor([1.0, 2.0])  # accumulated by an eager micro-batch earlier in the step
+    graphs._attach([a, b])
+    assert a.grad is graphs.grads[id(a)] and torch.equal(a.grad, torch.zeros(3))  # first use: zeroed
+    assert b.grad is graphs.grads[id(b)] and torch.equal(b.grad, torch.tensor([1.0, 2.0]))  # kept
+    graphs.grads[id(a)].add_(1.0)
+    graphs._attach([a])  # already attached this step: accumulated as it is
+    assert torch.equal(a.grad, torch.ones(3))
+    c = torch.nn.Parameter(torch.randn(1))
+    assert c.grad is None  # a parameter no key used keeps None (optimizers skip it)
+
+
+# -- the loss with device-side MTP weights ---------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_mtp_weights_as_a_tensor_give_the_same_loss_and_gradients(backend, seed, one_thread):
+    gen = torch.Generator().manual_seed(seed)
+    n, d, v = 96, 16, 300
+    hidden = torch.randn(n, d, generator=gen)
+    weight = torch.randn(v, d, generator=gen) * 0.3
+    targets = torch.randint(0, v, (n,), generator=gen)
+    prefix = torch.randint(-1, v, (n,), generator=gen)
+    cands = torch.unique(torch.cat([targets, torch.randint(0, v, (64,), generator=gen)]))
+    weights = [1.0, 0.5 + 0.1 * seed, 0.125]
+    out = []
+    for w in (weights, torch.tensor(weights)):
+        h = hidden.clone().requires_grad_()
+        wt = weight.clone().requires_grad_()
+        loss = lm_head_loss(h, wt, targets, candidates=cands, mtp_weights=w, prefix_targets=prefix,
+                            prefix_weight=0.25, backend=backend)
+        loss.backward()
+        out.append((loss.detach(), h.grad, wt.grad))
+    for x, y in zip(*out):
+        assert torch.equal(x, y)
+
+
+# -- FP8 caches that keep their addresses ----------------------------------------------------------
+def test_fp8_linear_cache_refreshes_in_place_when_held(one_thread):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 16))
+    x = torch.randn(8, 16)
+    held, plain = Fp8LinearState(backend="reference"), Fp8LinearState(backend="reference")
+    held.hold_cache_addresses(True)
+    assert held.refresh_cache() is False  # nothing to refresh before the first call
+    fp8_linear(x, w, held)
+    fp8_linear(x, w, plain)
+    ptrs = [t.data_ptr() for t in held.cache_tensors()]
+    assert held.refresh_cache() is False  # fresh: nothing to do
+    with torch.no_grad():
+        w.add_(0.5 * torch.randn_like(w))  # an optimizer step (bumps the version)
+    assert held.refresh_cache() is True
+    assert [t.data_ptr() for t in held.cache_tensors()] == ptrs
+    y_held, y_plain = fp8_linear(x, w, held), fp8_linear(x, w, plain)
+    assert torch.equal(y_held, y_plain)
+    assert torch.equal(held.cache_tensors()[0].float(), plain.cache_tensors()[0].float())
+
+
+def test_fp8_mlp_caches_refresh_in_place_with_the_delayed_scales(one_thread):
+    torch.manual_seed(1)
+    w1, w2 = torch.nn.Parameter(torch.randn(64, 16) * 0.2), torch.nn.Parameter(torch.randn(64, 16) * 0.2)
+    held, plain = Fp8MLPState(backend="reference"), Fp8MLPState(backend="reference")
+    held.hold_cache_addresses(True)
+    for step in range(3):
+        x = torch.randn(8, 16)
+        ptrs = [t.data_ptr() for t in held.cache_tensors()]
+        held.refresh_cache()  # what the graphs do before a replay
+        if step:
+            assert [t.data_ptr() for t in held.cache_tensors()] == ptrs
+        a, b = fp8_mlp(x, w1, w2, held), fp8_mlp(x, w1, w2, plain)
+        assert torch.equal(a, b)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        with torch.no_grad():
+            for p in (w1, w2):
+                p.sub_(0.1 * p.grad.sign())
+                p.grad = None
+    for name in ("post_scale", "dpre_scale", "w1_scale", "w2_scale", "refresh_count"):
+        assert torch.equal(getattr(held, name), getattr(plain, name)), name
+
+
+# -- host side --------------------------------------------------------------------------------------
+def test_run_ahead_is_a_no_op_off_cuda_and_rejects_a_zero_depth():
+    r = RunAhead()
+    assert r.depth == 2  # RECORD §11: host run-ahead is throttled to 2 steps
+    for _ in range(5):
+        r.step_done(torch.device("cpu"))
+    assert r.pending() == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        RunAhead(0)
+
+
+def test_frozen_gc_pauses_and_restores_exactly():
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        f = FrozenGC()
+        f.pause()
+        f.pause()  # idempotent
+        assert not gc.isenabled() and gc.get_freeze_count() > 0 and f.paused
+        f.resume()
+        f.resume()
+        assert gc.isenabled() and gc.get_freeze_count() == 0 and not f.paused
+        gc.disable()  # a caller that had it off gets it back off
+        f.pause()
+        f.resume()
+        assert not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
+
+
+# -- the Lightning side: GC frozen on the clock, the loss read on the host only when logged ----------
+def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path):
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule, write_markov_shards
+
+    from callbacks.speedrun_timer import SpeedrunTimer
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.enabled: list[bool] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.enabled.append(gc.isenabled())
+
+    files = write_markov_shards(tmp_path / "data", n_train=60_000, n_val=8_000)
+    module, data = make_run(files, tiny_schedule(6))
+    probe, rec = Probe(), LossRecorder()
+    trainer = make_trainer(tmp_path, callbacks=[SpeedrunTimer(warmup_steps=[]), probe, rec],
+                           logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=2)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        trainer.fit(module, data)
+        assert probe.enabled == [False] * 6  # RECORD §11: the GC is disabled for the timed loop
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # and restored when the clock stops
+    finally:
+        (gc.enable if was else gc.disable)()
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("*/metrics.csv")))))
+    logged = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    assert sorted(logged) == [1, 3, 5]  # every log_every_n_steps (and the last step), not every step
+    for step, value in logged.items():
+        assert value == pytest.approx(rec.losses[step], rel=1e-6)
+    assert all(r.get("schedule/lr_mul") and r.get("lr/matrix") for r in rows if r.get("train/loss"))

@@ -1,0 +1,248 @@
+"""Whole-step CUDA graphs on a GPU (nanogpt_pl/capture.py): replay equals eager, keys, self-check.
+
+The small GPT has every technique on: FP8 MLP, QKV and lm_head, the n-gram table and the
+value embeddings through the (fixed) sparse exchange, sampled softmax, three MTP weights and
+the prefix loss. Gradients are compared norm-wise per parameter: the attention backward
+accumulates with atomics, so two eager runs of one micro-batch differ by an ulp of bf16 here and
+there; the loss (RECORD §11's check) is held to 5e-4 relative.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_capture import (  # noqa: E402
+    every_technique_gpt,
+    every_technique_schedule,
+    make_module,
+    packed_micro_batch,
+    step_batch,
+    train_losses,
+)
+
+from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning"),
+]
+
+GRAD_RTOL = 1e-2  # per parameter, norm-wise (see the module docstring)
+SEQ = 512
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = GRAD_RTOL, floor: float = 0.0) -> bool:
+    """Norm-wise; ``floor`` keeps a parameter whose gradient nearly cancels (a scalar gate) from
+    being held to the relative noise of its own tiny norm."""
+    a, b = a.double(), b.double()
+    return bool((a - b).norm() <= rtol * max(float(b.norm()), floor) + 1e-12)
+
+
+def _global_rel(a: list, b: list) -> float:
+    num = sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b))
+    den = sum(float(y.double().square().sum()) for y in b)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def _module(seed: int = 0, cuda_graphs: bool = True, micro_batches: int = 2, steps: int = 6):
+    module = make_module("cuda", cuda_graphs, every_technique_schedule(steps=steps, seq_len=SEQ,
+                                                                      micro_batches=micro_batches),
+                         every_technique_gpt(), seed=seed)
+    # zero-initialized output projections make every block the identity at step 0, which
+    # would leave most gradients zero; start from a trained-looking point instead
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in module.model.matrix_params():
+            p.add_(0.02 * torch.randn(p.shape, device="cuda", generator=gen).to(p.dtype))
+    return module
+
+
+def _visit(module, mb, micro_batches: int = 2):
+    """One micro-batch through the module's graphs from zero gradients: (loss, grads, sparse leaf grads)."""
+    graphs = module._step_graphs()
+    for p in module.model.parameters():
+        p.grad = None
+    sparse = module.sparse_channels.inputs(mb["inputs"], train=True)
+    loss = graphs.micro_step(mb, sparse, micro_batches)
+    torch.cuda.synchronize()
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.model.named_parameters()}
+    leaves = {k: v.values.grad.detach().clone() for k, v in sparse.items()}
+    return float(loss), grads, leaves
+
+
+def test_replay_equals_eager_with_every_technique_on():
+    module = _module()
+    module.apply_schedule(0)
+    mb = step_batch(module, 0, seed=3, micro_batches=1, seq_len=SEQ)[0]
+    eager, captured, replayed = (_visit(module, mb) for _ in range(3))
+    graphs = module._step_graphs().graphs
+    assert len(graphs.captured_keys()) == 1 and graphs.replays == 1
+    check = next(iter(graphs.checks.values()))
+    assert check.passed and check.loss_rel <= SELF_CHECK_RTOL, check
+    total = sum(float(g.double().square().sum()) for g in eager[1].values() if g is not None) ** 0.5
+    for got in (captured, replayed):
+        assert _rel(got[0], eager[0]) <= SELF_CHECK_RTOL, (got[0], eager[0])
+        assert got[1].keys() == eager[1].keys()
+        for name, g in eager[1].items():
+            if g is None:
+                assert got[1][name] is None, name  # an eager None stays None (optimizers skip it)
+            else:
+                assert got[1][name] is not None and _close(got[1][name], g, floor=1e-3 * total), name
+        assert got[2].keys() == eager[2].keys() == {"ngram", "value_rows"}
+        for name, g in eager[2].items():
+            assert _close(got[2][name], g), name
+    assert any(g is not None and g.abs().sum() > 0 for g in eager[1].values())
+
+
+def test_training_with_graphs_tracks_eager_training():
+    steps = 6
+    on, off = _module(cuda_graphs=True, steps=steps), _module(cuda_graphs=False, steps=steps)
+    a = train_losses(on, steps, 2, SEQ, seed=7)
+    b = train_losses(off, steps, 2, SEQ, seed=7)
+    graphs = on._step_graphs().graphs
+    assert graphs.replays >= steps - 1 and graphs.captured_keys()
+    for x, y in zip(a, b):
+        assert _rel(x, y) <= 2e-3, (a, b)
+    # whole-model: Adam's first steps move a parameter by ±lr whatever its gradient's size, so a
+    # near-zero scalar gradient that atomics flip in sign moves that one scalar; the matrices agree
+    assert _global_rel([p.detach() for p in on.model.parameters()],
+                       [q.detach() for q in off.model.parameters()]) <= 1e-2
+    # the persistent gradient buffers are the ones the graphs were captured with
+    ptrs = {k: t.data_ptr() for k, t in graphs.grads.items()}
+    train_losses(on, 2, 2, SEQ, seed=8)
+    assert {k: t.data_ptr() for k, t in graphs.grads.items()} == ptrs
+
+
+def test_a_new_key_is_captured_and_an_old_one_replayed():
+    module = _module()
+    module.apply_schedule(0)
+    graphs = module._step_graphs().graphs
+    mb = step_batch(module, 0, seed=4, micro_batches=1, seq_len=SEQ)[0]
+    base = [_visit(module, mb) for _ in range(2)][0]
+    assert len(graphs.captured_keys()) == 1
+    module.set_windows(128, 256)  # new short window: a new key
+    first = _visit(module, mb)
+    assert len(graphs.captured_keys()) == 1
+    again = _visit(module, mb)
+    assert len(graphs.captured_keys()) == 2 and _rel(again[0], first[0]) <= SELF_CHECK_RTOL
+    assert len(graphs._statics) == 1  # same T: the two keys share their input buffers
+    long_mb = packed_micro_batch(5, 2 * SEQ, step=0)  # new T: another key
+    long_mb = module.transfer_batch_to_device(module.prepare_batch([long_mb], 0), module.device, 0)[0]
+    for _ in range(2):
+        _visit(module, long_mb)
+    assert len(graphs.captured_keys()) == 3 and len(graphs._statics) == 2
+    module.set_windows(64, 256)
+    replays = graphs.replays
+    back = _visit(module, mb)
+    assert graphs.replays == replays + 1 and len(graphs.captured_keys()) == 3
+    # the first key's graph still writes its own sparse-leaf gradients, not the later keys'
+    assert _rel(back[0], base[0]) <= SELF_CHECK_RTOL
+    for name, g in base[2].items():
+        assert _close(back[2][name], g), name
+    module.set_windows(128, 256)
+    assert _rel(_visit(module, mb)[0], first[0]) <= SELF_CHECK_RTOL
+    assert back[0] != first[0]
+
+
+def _linear_case():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16, device="cuda")
+    x = torch.randn(8, 16, device="cuda")
+    return lin, x
+
+
+def _eager(lin, x, factor):
+    lin.zero_grad(set_to_none=True)
+    loss = (lin(x) * factor).square().mean()
+    loss.backward()
+    return float(loss), lin.weight.grad.clone()
+
+
+def test_self_check_catches_a_forward_that_reads_a_number_outside_the_key():
+    lin, x = _linear_case()
+    graphs = StepGraphs(list(lin.parameters()))
+    calls = [0]
+
+    def forward(inp):
+        calls[0] += 1  # a Python-side value the key does not hold: the graph bakes in one call's
+        loss = (lin(inp["x"]) * float(calls[0])).square().mean()
+        return loss, loss
+
+    results = []
+    for _ in range(4):
+        lin.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = float(graphs.run("k", {"x": x}, forward, lambda t: t.backward()))
+        results.append((loss, lin.weight.grad.clone(), calls[0], [str(w.message) for w in caught]))
+    check = graphs.checks["k"]
+    assert not check.passed and graphs.entries["k"].eager_only and not graphs.captured_keys()
+    assert any("differs from eager" in m for m in results[1][3])
+    assert graphs.replays == 0
+    # every result is an eager run's: visit 1 with factor 1, visit 2 the self-check's eager run
+    # (factor 2; the capture took 3), then eager with 4 and 5
+    for (loss, grad, _, _), factor in zip(results, (1.0, 2.0, 4.0, 5.0)):
+        want_loss, want_grad = _eager(lin, x, factor)
+        assert loss == pytest.approx(want_loss, rel=1e-6) and torch.allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_correct_forward_is_captured_and_replays_exactly():
+    lin, x = _linear_case()
+    graphs = StepGraphs(list(lin.parameters()))
+
+    def forward(inp):
+        loss = lin(inp["x"]).square().mean()
+        return loss, loss
+
+    want_loss, want_grad = _eager(lin, x, 1.0)
+    for visit in range(4):
+        lin.zero_grad(set_to_none=True)
+        xv = x.clone()  # a new input tensor each time: the graph copies it into its buffer
+        loss = float(graphs.run("k", {"x": xv}, forward, lambda t: t.backward()))
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert graphs.captured_keys() == ["k"] and graphs.replays == 2 and graphs.checks["k"].passed
+
+
+def test_a_failing_capture_warns_and_stays_eager():
+    lin, x = _linear_case()
+    graphs = StepGraphs(list(lin.parameters()))
+
+    def forward(inp):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("not capturable")
+        loss = lin(inp["x"]).square().mean()
+        return loss, loss
+
+    want_loss, want_grad = _eager(lin, x, 1.0)
+    with pytest.warns(UserWarning, match="capturing key 'k' failed"):
+        for _ in range(3):
+            lin.zero_grad(set_to_none=True)
+            loss = float(graphs.run("k", {"x": x}, forward, lambda t: t.backward()))
+            assert loss == pytest.approx(want_loss, rel=1e-6)
+            assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert graphs.entries["k"].eager_only and graphs.replays == 0
+
+
+def test_run_ahead_keeps_at_most_two_steps_in_flight():
+    r = RunAhead(2)
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(6):
+        for _ in range(5):
+            a = a @ a
+            a = a / a.norm()
+        r.step_done(a.device)
+        assert r.pending() <= 2
+    torch.cuda.synchronize()

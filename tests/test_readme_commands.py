@@ -1,0 +1,219 @@
+"""Every command the README and the configs' comments show, run as written (at tiny sizes).
+
+Training commands on the quickstart config run with a tiny overlay config appended (small model,
+two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--print_config``;
+the FineWeb download is checked to accept its options; ``tensorboard --logdir logs`` is started
+and stopped. ``describe``, ``generate`` and ``plot`` run as written (on the runs the commands
+before them made); ``ablate`` on the quickstart config trains its runs with the tiny overlay
+after its ``--``, and on a GPU config each of its runs' configs is checked to parse. The two
+set-up commands at the top (pip install ...) are what CI runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cli import LAUNCH_VARS, ROOT  # noqa: E402
+
+README = ROOT / "README.md"
+GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml", "configs/gpu_smoke.yaml")
+
+TINY = {
+    "model": {"gpt": {"model_dim": 32, "num_heads": 2, "head_dim": 16, "mlp_hidden": 64}},
+    "schedule": {"stages": [{"steps": 4, "batch_tokens": 2048, "seq_len": 1024, "max_doc_len": 512,
+                             "window_short": 128, "window_long": 512, "candidates": 2048}],
+                 "warmup_steps": 1},
+    "data": {"val_tokens": 2048, "val_seq_len": 1024},
+    "trainer": {"accelerator": "cpu", "enable_progress_bar": False, "max_steps": 2},
+}
+
+
+def readme_commands() -> list[str]:
+    """The README's code-block lines after its two set-up commands, comments stripped."""
+    lines = README.read_text().splitlines()
+    out = []
+    for line in lines:
+        if line.startswith("    ") and line.strip() and "pip install" not in line:
+            out.append(shlex.join(shlex.split(line.strip(), comments=True)))
+    return out
+
+
+def config_comment_commands() -> tuple[list[str], list[tuple[str, str, str]]]:
+    """From configs/*.yaml comments: the commands (``#   python ...``) and the ``e.g. --key value`` switches."""
+    commands, switches = [], []
+    for cfg in sorted((ROOT / "configs").rglob("*.yaml")):
+        for line in cfg.read_text().splitlines():
+            if not line.startswith("#"):
+                continue
+            body = line.lstrip("#").strip()
+            if body.startswith(("python ", "nanogpt-pl ")):
+                commands.append(shlex.join(shlex.split(body, comments=True)))
+                continue
+            for key, value in re.findall(r"(--[\w.]+) ([^\s,]+)", body):
+                switches.append((str(cfg.relative_to(ROOT)), key, value))
+    return commands, switches
+
+
+def argv_of(command: str) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    if words[0] == "nanogpt-pl":  # the console script is `nanogpt_pl.cli:main` (pyproject.toml)
+        return [sys.executable, "-m", "nanogpt_pl.cli", *words[1:]]
+    return words
+
+
+def run(argv: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A working directory laid out like a checkout: main.py and configs/ at the top."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "main.py").symlink_to(ROOT / "main.py")
+    return tmp_path
+
+
+def test_the_readme_shows_the_commands_it_promises():
+    commands = readme_commands()
+    assert any("--model.gpt.num_layers 2" in c for c in commands)
+    for tool in ("describe", "generate", "plot", "ablate"):
+        assert any(c.startswith(f"nanogpt-pl {tool} ") for c in commands), tool
+    assert any("--config configs/ablations/" in c for c in commands)
+    assert any(c.startswith("python main.py validate") for c in commands)
+    assert any(c.startswith("tensorboard --logdir logs") for c in commands)
+    assert any("--trainer.callbacks+=" in c for c in commands)
+    # the first lines give exactly the two set-up commands
+    head = README.read_text().split("---")[0]
+    assert len(re.findall(r"^    pip install", head, re.M)) == 2
+
+
+def test_config_comment_switches_apply(workdir):
+    _, switches = config_comment_commands()
+    assert ("configs/speedrun.yaml", "--schedule.stages.2.candidates", "null") in switches
+    for config, key, value in switches:
+        out = run([sys.executable, "main.py", "fit", "--config", config, key, value, "--print_config"], workdir)
+        assert out.returncode == 0, (config, key, value, out.stderr[-2000:])
+        node = yaml.safe_load(out.stdout)
+        for part in key[2:].split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        assert node == yaml.safe_load(value), (config, key, node)
+
+
+def check_ablation_configs(argv: list[str], cwd: Path) -> None:
+    """``nanogpt-pl ablate`` on a config that needs GPUs: every run it would start parses (``--print_config``)."""
+    from nanogpt_pl.tools import build_parser
+    from nanogpt_pl.tools.ablate import resolve_ablations
+
+    args = build_parser("ablate").parse_args(argv[4:])
+    here = Path.cwd()
+    os.chdir(cwd)  # the overlays are found under configs/ablations of the working directory, as ablate finds them
+    try:
+        overlays = [None, *resolve_ablations(args.ablations)]
+    finally:
+        os.chdir(here)
+    assert len(overlays) > 1
+    for overlay in overlays:
+        configs = ["--config", args.config] + ([] if overlay is None else ["--config", str(overlay)])
+        fit = [sys.executable, "main.py", "fit", *configs, "--trainer.max_steps", str(args.steps), *args.overrides,
+               "--print_config"]
+        out = run(fit, cwd)
+        assert out.returncode == 0, (overlay, out.stderr[-2000:])
+        assert yaml.safe_load(out.stdout)["trainer"]["max_steps"] == args.steps
+
+
+@pytest.mark.slow
+def test_every_readme_and_config_command_runs(workdir):
+    tiny = workdir / "tiny.yaml"
+    tiny.write_text(yaml.safe_dump(TINY))
+    resume = workdir / "tiny_resume.yaml"
+    resume.write_text(yaml.safe_dump({**TINY, "trainer": {**TINY["trainer"], "max_steps": 3}}))
+    commands = readme_commands() + config_comment_commands()[0]
+    ran = []
+    for command in commands:
+        argv = argv_of(command)
+        if argv[0] == "tensorboard":
+            log = workdir / "tensorboard.out"
+            with open(log, "w") as out_file:
+                proc = subprocess.Popen(argv + ["--port", "0"], cwd=workdir, stdout=out_file,
+                                        stderr=subprocess.STDOUT, text=True)
+                try:
+                    deadline = time.time() + 120
+                    while time.time() < deadline and "http://" not in log.read_text() and proc.poll() is None:
+                        time.sleep(1)
+                    assert "http://" in log.read_text(), log.read_text()[-2000:]
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+            ran.append(command)
+            continue
+        if "data" in argv and argv[argv.index("data") + 1] == "fineweb":
+            # downloads 400 MB: check that it takes the options shown
+            at = argv.index("data") + 2
+            out = run(argv[:at] + ["--help"], workdir)
+            assert out.returncode == 0 and all(a in out.stdout for a in argv[at:] if a.startswith("--")), out
+            ran.append(command)
+            continue
+        tool = argv[3] if argv[1:3] == ["-m", "nanogpt_pl.cli"] and len(argv) > 3 else None
+        if tool == "ablate" and any(c in argv for c in GPU_CONFIGS):
+            check_ablation_configs(argv, workdir)
+            ran.append(command)
+            continue
+        if tool in ("describe", "generate", "plot"):
+            out = run(argv, workdir)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+            assert out.stdout.strip() or tool == "plot", command  # the table / the sampled text
+            ran.append(command)
+            continue
+        if tool == "ablate":  # its runs train the tiny overlay: the options after -- go to every run
+            argv = argv + ([] if "--" in argv else ["--"]) + ["--config", str(tiny)]
+            out = run(argv, workdir)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+            ran.append(command)
+            continue
+        if "--print_config" in argv:
+            pass
+        elif any(c in argv for c in GPU_CONFIGS):  # 8 GPUs / FineWeb: the command must parse
+            argv = argv + ["--print_config"]
+        else:
+            argv = argv + ["--config", str(resume if "--ckpt_path" in argv else tiny)]
+        out = run(argv, workdir)
+        assert out.returncode == 0, (command, out.stderr[-3000:])
+        assert "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+        if "--print_config" in argv:
+            yaml.safe_load(out.stdout)
+        ran.append(command)
+    assert len(ran) == len(commands)
+    # what the research tools wrote: the ablation table with its base row, and the plots
+    table = (workdir / "ablations" / "quickstart" / "ablation.md").read_text()
+    assert all(f"| {name} |" in table for name in ("base", "adamw_matrices", "no_fp8")), table
+    plots = {p.name for p in (workdir / "plots").iterdir()}
+    assert {"loss_vs_step.png", "loss_vs_tokens.png", "tokens_per_s.png"} <= plots, plots
+
+    # the resume continued the newest quickstart run: its folder, its last.ckpt now at step 3,
+    # and validate logged at that step
+    versions = sorted((workdir / "logs" / "quickstart" / "csv").glob("version_*"))
+    resumed = [v for v in versions if (v / "checkpoints" / "last.ckpt").exists()
+               and torch.load(v / "checkpoints" / "last.ckpt", map_location="cpu",
+                              weights_only=False)["global_step"] == 3]
+    assert len(resumed) == 1, versions
+    rows = list(csv.DictReader(open(resumed[0] / "metrics.csv")))
+    steps = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert steps == sorted(steps) and 2 in steps, steps  # the first run's rows kept, the resumed ones appended
+    # the fit's final validation and `validate` both at the last trained step (global_step 3 - 1)
+    assert [int(r["step"]) for r in rows if r.get("val/loss")][-2:] == [2, 2], rows
