@@ -32,8 +32,12 @@ def _checkpoints(trainer: L.Trainer) -> list[ModelCheckpoint]:
     return [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
 
 
-def save_last(trainer: L.Trainer) -> list[str]:
-    """Save ``last.ckpt`` in every ModelCheckpoint's folder unless it already holds this step."""
+def save_last(trainer: L.Trainer, in_step: bool = False) -> list[str]:
+    """Save ``last.ckpt`` in every ModelCheckpoint's folder unless it already holds this step.
+
+    ``in_step``: called from ``on_train_batch_end``, before the checkpoint callbacks' own hook
+    (Lightning runs them last); a step they save themselves is left to them.
+    """
     saved = []
     for cb in _checkpoints(trainer):
         if cb.dirpath is None:
@@ -41,6 +45,9 @@ def save_last(trainer: L.Trainer) -> list[str]:
         if cb._last_global_step_saved == trainer.global_step and cb.last_model_path:
             saved.append(cb.last_model_path)
             continue
+        every = cb._every_n_train_steps
+        if in_step and every and trainer.global_step % every == 0:
+            continue  # the callback saves this step (and its last.ckpt) itself, right after this hook
         if cb.save_last:
             cb._save_last_checkpoint(trainer, cb._monitor_candidates(trainer))
             saved.append(cb.last_model_path)
@@ -128,7 +135,7 @@ class RunControl(L.Callback):
         # have finished would resume into empty epochs when the run is extended.
         schedule = getattr(pl_module, "schedule", None)
         if schedule is not None and trainer.global_step >= end_step(trainer, schedule):
-            self.saved = save_last(trainer)
+            self.saved = save_last(trainer, in_step=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
