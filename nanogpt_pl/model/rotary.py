@@ -75,10 +75,13 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate interleaved pairs of ``x`` [N, H, head_dim] by angles with cos/sin [N, head_dim // 2]
-    (one angle per token) or [N, H, head_dim // 2] (per token and head: paired layers)."""
+    (one angle per token) or [N, H, head_dim // 2] (per token and head: paired layers).
+
+    The result keeps ``x``'s dtype (tables in a wider dtype rotate in it, then round once).
+    """
     x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
     if cos.dim() == 2:
         cos, sin = cos[:, None, :], sin[:, None, :]
     y_even = x_even * cos + x_odd * sin
     y_odd = x_odd * cos - x_even * sin
-    return torch.stack((y_even, y_odd), dim=-1).flatten(-2)
+    return torch.stack((y_even, y_odd), dim=-1).flatten(-2).to(x.dtype)
