@@ -446,7 +446,7 @@ class ModuleGraphs:
     """
 
     def __init__(self, module: Any) -> None:
-        from .ops.fp8.cache import Fp8State
+        from .ops.fp8.cache import Fp8State  # the fp8 package loads only with capture on
 
         self.module = module
         self.fp8_states = [m for m in module.model.modules() if isinstance(m, Fp8State)]

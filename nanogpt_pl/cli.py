@@ -90,7 +90,7 @@ def expand_stage_overrides(parser, args: list[str]) -> list[str]:
         overrides.append((int(m.group(1)), m.group(2), value))
     if not overrides:
         return args
-    import yaml
+    import yaml  # only when a config has a base: to expand
 
     probe = [a for a in rest if not a.startswith("--print_config")]
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):

@@ -152,7 +152,7 @@ def mergeable_ranks(encoding) -> dict[bytes, int]:
     ranks = getattr(encoding, "_mergeable_ranks", None)
     if not (isinstance(ranks, dict) and ranks
             and all(isinstance(b, bytes) and isinstance(i, int) for b, i in ranks.items())):
-        import tiktoken
+        import tiktoken  # its version, for the error message only
 
         raise RuntimeError(
             f"tiktoken {getattr(tiktoken, '__version__', '?')}: Encoding._mergeable_ranks is missing or no "

@@ -193,7 +193,7 @@ def packed_attention(
     if backend == "flex":
         return attention_flex(q, k, v, cu_seqlens, window, scale)
     if backend == "triton":
-        from nanogpt_pl.ops.triton.attention import triton_packed_attention
+        from nanogpt_pl.ops.triton.attention import triton_packed_attention  # imports triton: only when chosen
 
         return triton_packed_attention(q, k, v, cu_seqlens, max_seqlen, window, scale)
     raise ValueError(f"unresolved attention backend {backend!r}")

@@ -125,7 +125,7 @@ def _torch_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_
 
 
 def _triton_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out) -> None:
-    from .triton.cross_entropy import softcap_ce_rows
+    from .triton.cross_entropy import softcap_ce_rows  # imports triton: the fast path only
 
     softcap_ce_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out,
                     cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH)

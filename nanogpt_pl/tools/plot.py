@@ -100,7 +100,7 @@ def plot_runs(runs: Sequence[RunLog], out_dir: str | Path, size: tuple[int, int]
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install -e '.[plot]'") from e
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use: the headless backend first
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -98,13 +98,13 @@ class _Fast:
 
     def quant(self, src: Tensor, inv_scale: Tensor, dtype: torch.dtype, rows_out: int,
               want_row: bool = True, want_t: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        from ..triton.fp8_quant import quantize_dual
+        from ..triton.fp8_quant import quantize_dual  # imports triton: the fast path only
 
         row, t, _ = quantize_dual(src, inv_scale, dtype, rows_out=rows_out, write_row=want_row, write_t=want_t)
         return row, t
 
     def quant_weight(self, w: Tensor, inv_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        from ..triton.fp8_quant import quantize_dual
+        from ..triton.fp8_quant import quantize_dual  # imports triton: the fast path only
 
         row, col, tiles = quantize_dual(w, inv_scale, E4M3, tile_amax=True)
         return row, col, tiles.amax()
@@ -114,13 +114,13 @@ class _Fast:
 
     def quant_weight_into(self, w: Tensor, inv_scale: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
         """``quant_weight``'s two copies, with max |w| folded into the 1-element ``amax`` (atomic max)."""
-        from ..triton.fp8_quant import quantize_dual
+        from ..triton.fp8_quant import quantize_dual  # imports triton: the fast path only
 
         row, col, _ = quantize_dual(w, inv_scale, E4M3, amax_into=amax)
         return row, col
 
     def refresh_scales(self, state: Any, exact: bool) -> None:
-        from ..triton.fp8_mlp import mlp_refresh_scales
+        from ..triton.fp8_mlp import mlp_refresh_scales  # imports triton: the fast path only
 
         mlp_refresh_scales(state, exact, _REFRESH_CONSTANTS)
 
@@ -139,7 +139,7 @@ class _Fast:
                                 use_fast_accum=fast_accum)
 
     def up_relu2(self, xq, w_row, x_scale, w_scale, inv_post_scale, post_amax, fused):
-        from ..triton import fp8_mlp as k
+        from ..triton import fp8_mlp as k  # imports triton: the fast path only
 
         if fused:
             return k.fp8_gemm_relu2(xq, w_row, x_scale, w_scale, inv_post_scale, post_amax)
@@ -147,7 +147,7 @@ class _Fast:
         return k.relu2_quantize(pre, inv_post_scale, post_amax)
 
     def dpre(self, gq, w_row, g_scale, w_scale, post, post_scale, inv_dpre_scale, dpre_amax, fused):
-        from ..triton import fp8_mlp as k
+        from ..triton import fp8_mlp as k  # imports triton: the fast path only
 
         if fused:
             return k.fp8_gemm_dpre(gq, w_row, g_scale, w_scale, post, post_scale, inv_dpre_scale, dpre_amax)

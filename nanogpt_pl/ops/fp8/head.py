@@ -94,7 +94,7 @@ class Fp8Head(nn.Module):
 
     def _transpose(self, q: Tensor) -> Tensor:
         """Contiguous transpose of an fp8 matrix (exact: a scale-1 requantization)."""
-        from ..triton.fp8_quant import quantize_dual
+        from ..triton.fp8_quant import quantize_dual  # imports triton: the fast path only
 
         if self._one is None or self._one.device != q.device:
             self._one = torch.ones((), dtype=torch.float32, device=q.device)
