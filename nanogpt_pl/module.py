@@ -1,5 +1,8 @@
 """SpeedrunModule: the GPT, its loss and its optimizers under manual optimization.
 
+Length: over 450 lines because it is the one place where Lightning's hooks meet the step
+(schedule hooks, micro-batch loop, optimizer wiring, checkpoint and warmup state).
+
 One training step (``shared/DESIGN.md`` "Data flow"): ``on_train_batch_start`` has set
 this step's lr, momentum, windows, loss options and which optimizer parts update from the
 schedule (``apply_schedule``);

@@ -1,5 +1,9 @@
 """The speedrun's modernized GPT, as plain ``nn.Module`` s.
 
+Length: over 450 lines because the forward is the record's layer table read top to bottom
+(RECORD §2: injection points, the norm(cache[7]) inputs, the parallel MLP, the MUDD mixes);
+cut into pieces it would no longer read as one network.
+
 Reading order: :class:`GPTConfig` (every technique is a field), :class:`Block`,
 :class:`GPT`; the attention sublayer and its variants are in ``attention.py``, the MUDD
 gates in ``mudd.py``. The model maps a packed micro-batch (one flat token sequence

@@ -1,5 +1,8 @@
 """ANVIL II: the record's optimizer for the hidden matrices, sharded over ranks.
 
+Length: over 450 lines because one optimizer's state (banks, rails, lanes, sidecar), its
+sharded communication and its captured update belong together (RECORD §8).
+
 Per matrix and per step (RECORD.md §8), with ``g`` the rank-averaged gradient:
 
 1. **Twin rails** (fp32): a fast rail ``v_f ← v_f + (1 − β_f)(g − v_f)`` and a zero-initialised
