@@ -25,7 +25,6 @@ from nanogpt_pl.distributed.side_files import (
 )
 from nanogpt_pl.distributed.strategy import SpeedrunStrategy
 
-sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 1 << 14
 

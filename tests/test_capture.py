@@ -10,18 +10,14 @@ bookkeeping, the run-ahead throttle and the frozen garbage collector.
 from __future__ import annotations
 
 import gc
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from callbacks.speedrun_timer import default_warmup_steps  # noqa: E402
-from nanogpt_pl.backends import Backends  # noqa: E402
-from nanogpt_pl.capture import (  # noqa: E402
+from callbacks.speedrun_timer import default_warmup_steps
+from nanogpt_pl.backends import Backends
+from nanogpt_pl.capture import (
     CaptureKey,
     FrozenGC,
     RunAhead,
@@ -34,13 +30,13 @@ from nanogpt_pl.capture import (  # noqa: E402
     max_seqlen_bound,
     schedule_key,
 )
-from nanogpt_pl.data.planning import max_num_docs  # noqa: E402
-from nanogpt_pl.model.embeddings import CompactRows, NgramInput  # noqa: E402
-from nanogpt_pl.model.gpt import GPTConfig  # noqa: E402
-from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule  # noqa: E402
-from nanogpt_pl.ops.cross_entropy import lm_head_loss  # noqa: E402
-from nanogpt_pl.ops.fp8 import Fp8LinearState, Fp8MLPState, fp8_linear, fp8_mlp  # noqa: E402
-from nanogpt_pl.schedule import Schedule, Stage  # noqa: E402
+from nanogpt_pl.data.planning import max_num_docs
+from nanogpt_pl.model.embeddings import CompactRows, NgramInput
+from nanogpt_pl.model.gpt import GPTConfig
+from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule
+from nanogpt_pl.ops.cross_entropy import lm_head_loss
+from nanogpt_pl.ops.fp8 import Fp8LinearState, Fp8MLPState, fp8_linear, fp8_mlp
+from nanogpt_pl.schedule import Schedule, Stage
 
 BOS = 50256
 

@@ -5,15 +5,10 @@ pass, so ``keep_addresses`` copies both layouts. Held and plain states must comp
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).parent))
-from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
+from interpreter import INTERPRETED, interp, run_module_under_interpreter
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")

@@ -9,16 +9,11 @@ there; the loss (RECORD §11's check) is held to 5e-4 relative.
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from test_capture import (  # noqa: E402
+from test_capture import (
     every_technique_gpt,
     every_technique_schedule,
     make_module,
@@ -27,7 +22,7 @@ from test_capture import (  # noqa: E402
     train_losses,
 )
 
-from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs  # noqa: E402
+from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs
 
 pytestmark = [
     pytest.mark.cuda,

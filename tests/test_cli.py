@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import LAUNCH_VARS
 
 from nanogpt_pl.config_files import expand_config_bases, load_config
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import LAUNCH_VARS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
