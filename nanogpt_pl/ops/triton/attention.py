@@ -102,6 +102,18 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, lo
 
 
 @triton.jit
+def _key_range(ROW_LO, m0, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of the query block at ``m0``: [k_lo, k_hi) holds every visible pair, and
+    [full_lo, m0) is visible to every row of the block (the forward and dQ kernels)."""
+    lo_first = tl.load(ROW_LO + m0)
+    lo_last = tl.load(ROW_LO + tl.minimum(m0 + BLOCK_M, N) - 1)
+    k_lo = lo_first // BLOCK_N * BLOCK_N
+    full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
+    k_hi = tl.minimum(m0 + BLOCK_M, N)
+    return k_lo, full_lo, k_hi
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, OUT, LSE, ROW_LO, N,
                 stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
                 qk_scale, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -119,12 +131,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, ROW_LO, N,
     k_base = K + h * stride_kh
     v_base = V + h * stride_vh
 
-    # keys [k_lo, k_hi) hold every visible pair; [full_lo, m0) is visible to every row
-    lo_first = tl.load(ROW_LO + m0)
-    lo_last = tl.load(ROW_LO + tl.minimum(m0 + BLOCK_M, N) - 1)
-    k_lo = lo_first // BLOCK_N * BLOCK_N
-    full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
-    k_hi = tl.minimum(m0 + BLOCK_M, N)
+    k_lo, full_lo, k_hi = _key_range(ROW_LO, m0, N, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, lo_row,
                               k_lo, tl.minimum(full_lo, m0), N, qk_scale, D_QK, D_V, BLOCK_N, True)
     acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, lo_row,
@@ -263,11 +270,7 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROW_LO, N,
     k_base = K + h * stride_kh
     v_base = V + h * stride_vh
 
-    lo_first = tl.load(ROW_LO + m0)
-    lo_last = tl.load(ROW_LO + tl.minimum(m0 + BLOCK_M, N) - 1)
-    k_lo = lo_first // BLOCK_N * BLOCK_N
-    full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
-    k_hi = tl.minimum(m0 + BLOCK_M, N)
+    k_lo, full_lo, k_hi = _key_range(ROW_LO, m0, N, BLOCK_M, BLOCK_N)
     dq_acc = _dq_tile(dq_acc, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, lo_row,
                       k_lo, tl.minimum(full_lo, m0), N, qk_scale, D_QK, D_V, BLOCK_N, True)
     dq_acc = _dq_tile(dq_acc, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, lo_row,
