@@ -241,7 +241,7 @@ class SpeedrunModule(L.LightningModule):
         # token-weighted over batches and ranks by torchmetrics (nanogpt_pl/metrics.py)
         self.val_loss = MeanTokenLoss()
         self.val_bpb = BitsPerByte()
-        self.__dict__["_graphs"] = None  # capture.ModuleGraphs, built at the first step on a GPU
+        self._graphs: Optional[ModuleGraphs] = None  # built at the first step on a GPU
         self._run_ahead = RunAhead()
 
     # -- setup ---------------------------------------------------------------------
@@ -557,7 +557,7 @@ class SpeedrunModule(L.LightningModule):
     def _step_graphs(self) -> Optional[ModuleGraphs]:
         """The CUDA graphs of the training step (``model.cuda_graphs``), None when the step runs eagerly."""
         if self._graphs is None and self.cuda_graphs and self.device.type == "cuda":
-            self.__dict__["_graphs"] = ModuleGraphs(self)
+            self._graphs = ModuleGraphs(self)
         return self._graphs
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> Tensor:
@@ -583,9 +583,7 @@ class SpeedrunModule(L.LightningModule):
     def _logs_at(self, step: int) -> bool:
         """Whether the loggers write at the end of ``step`` (Lightning's ``log_every_n_steps``)."""
         every = self.trainer.log_every_n_steps
-        last = self.schedule.total_steps if not self.trainer.max_steps or self.trainer.max_steps < 0 \
-            else min(self.schedule.total_steps, self.trainer.max_steps)
-        return every > 0 and ((step + 1) % every == 0 or step + 1 >= last)
+        return every > 0 and ((step + 1) % every == 0 or step + 1 >= self.schedule.run_steps(self.trainer.max_steps))
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """``LightningModule.log``, with Python numbers logged as CPU tensors.

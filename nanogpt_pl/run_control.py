@@ -20,14 +20,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
-def end_step(trainer: L.Trainer, schedule: Any) -> int:
-    """The step after which this fit stops: the schedule's end, or ``trainer.max_steps`` if sooner."""
-    end = schedule.total_steps
-    if trainer.max_steps is not None and trainer.max_steps >= 0:
-        end = min(end, trainer.max_steps)
-    return end
-
-
 def _checkpoints(trainer: L.Trainer) -> list[ModelCheckpoint]:
     return [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
 
@@ -134,7 +126,7 @@ class RunControl(L.Callback):
         # validation, which leaves the weights as they are): a checkpoint written after the loops
         # have finished would resume into empty epochs when the run is extended.
         schedule = getattr(pl_module, "schedule", None)
-        if schedule is not None and trainer.global_step >= end_step(trainer, schedule):
+        if schedule is not None and trainer.global_step >= schedule.run_steps(trainer.max_steps):
             self.saved = save_last(trainer, in_step=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -151,5 +143,5 @@ class RunControl(L.Callback):
             return
         tqdm_bar = bar.train_progress_bar
         if tqdm_bar.total is None or tqdm_bar.total == math.inf or tqdm_bar.total == float("inf"):
-            tqdm_bar.total = tqdm_bar.n + max(end_step(trainer, schedule) - trainer.global_step, 0)
+            tqdm_bar.total = tqdm_bar.n + max(schedule.run_steps(trainer.max_steps) - trainer.global_step, 0)
             tqdm_bar.refresh()
