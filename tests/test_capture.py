@@ -225,6 +225,45 @@ def test_module_with_cuda_graphs_on_cpu_trains_exactly_like_eager(one_thread):
         assert torch.equal(p, q), name
 
 
+def _parameters_with_live_graphs(module) -> set[str]:
+    """Names of the parameters whose AccumulateGrad node some live tensor's autograd graph reaches."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    found, seen = set(), set()
+    for obj in gc.get_objects():
+        try:
+            fn = obj.grad_fn if isinstance(obj, torch.Tensor) else None
+        except RuntimeError:  # a view made with grad off whose base changed since: no graph of its own
+            fn = None
+        stack = [fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if type(fn).__name__ == "AccumulateGrad" and id(fn.variable) in names:
+                found.add(names[id(fn.variable)])
+            stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning")
+def test_an_eager_step_leaves_no_autograd_graph_alive(one_thread):
+    # A parameter's AccumulateGrad node belongs to the stream it was made on; one kept past the
+    # step (the FP8 QKV state once held its row-block views, made with grad on) makes the next
+    # capture on the graphs' side stream sync with that stream, and CUDA invalidates the capture.
+    sched = every_technique_schedule(steps=2, seq_len=256)
+    module = make_module("cpu", False, sched, every_technique_gpt(), backends=Backends(fp8="reference"))
+    train_losses(module, 1, 2, 256)
+    gc.collect()
+    assert _parameters_with_live_graphs(module) == set()
+    states = [m.fp8_state for m in module.model.modules() if hasattr(m, "fp8_state")]
+    assert states and all(r.build().grad_fn is None for st in states for r in st._last_call[0])
+    # the remade row blocks still identify the weights: the step's update makes the caches stale
+    # once, and a second refresh without another update is a no-op
+    assert all(st.refresh_cache() for st in states)
+    assert not any(st.refresh_cache() for st in states)
+
+
 # -- the engine's bookkeeping ------------------------------------------------------------------
 def test_static_copies_keep_the_layout_and_leaves():
     ngram = NgramInput(values=torch.randn(6, 4).requires_grad_(), index=torch.arange(10).view(2, 5),

@@ -32,6 +32,35 @@ def weight_key(w: Tensor) -> tuple:
     return weakref.ref(root), (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device)
 
 
+@dataclass(frozen=True)
+class WeightRecipe:
+    """How to remake a weight a state refreshes from, without holding its autograd history.
+
+    A row block such as ``qk_w[0]`` is a view made with grad on, so it holds its parameter's
+    AccumulateGrad node: kept past the step, that node pins the stream it was made on, and a
+    later CUDA-graph capture on another stream is invalidated when autograd syncs with it. The
+    recipe keeps the view's base and geometry and remakes the view, with grad off, when asked
+    (same base, address, version, shape and strides: the same :func:`weight_key`).
+    """
+
+    tensor: Tensor  # the weight itself, or the base of a view
+    view: Optional[tuple] = None  # (shape, stride, storage offset) of a view of ``tensor``
+
+    @classmethod
+    def of(cls, w: Tensor) -> "WeightRecipe":
+        if w.grad_fn is None:
+            return cls(w)
+        if w._base is None:  # recomputed every forward: nothing to key on (see _check_recomputed)
+            return cls(w.detach())
+        return cls(w._base, (tuple(w.shape), tuple(w.stride()), w.storage_offset()))
+
+    def build(self) -> Tensor:
+        if self.view is None:
+            return self.tensor
+        with torch.no_grad():
+            return self.tensor.as_strided(*self.view)
+
+
 def keys_match(old: Optional[tuple], new: tuple) -> bool:
     if old is None or len(old) != len(new):
         return False
@@ -98,7 +127,7 @@ class Fp8State(nn.Module):
         self._kernels_override: Any = None  # tests run the fast path on CPU under TRITON_INTERPRET=1
         self._warned_recomputed = False
         self._hold = False  # see hold_cache_addresses
-        self._last_call: Optional[tuple] = None  # (weights, kernels) of the last refresh, for refresh_cache
+        self._last_call: Optional[tuple] = None  # (WeightRecipes, kernels) of the last refresh, for refresh_cache
 
     def invalidate(self) -> None:
         """Force the weight cache (and the delayed scales) to refresh at the next call."""
@@ -120,8 +149,8 @@ class Fp8State(nn.Module):
         if self._last_call is None:
             return False
         before = self._refreshes
-        weights, kern = self._last_call
-        self._refresh_with(weights, kern)
+        recipes, kern = self._last_call
+        self._refresh_with(tuple(r.build() for r in recipes), kern)
         return self._refreshes != before
 
     def cache_tensors(self) -> list[Tensor]:
@@ -137,7 +166,7 @@ class Fp8State(nn.Module):
         if self._hold and w.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{self.config_key}: the FP8 weight cache went stale inside a CUDA graph capture; "
                                "call refresh_cache() before capturing")
-        self._last_call = (tuple(weights), kern)
+        self._last_call = (tuple(WeightRecipe.of(w) for w in weights), kern)
 
     def _kernels(self, device: torch.device) -> Any:
         if self._kernels_override is not None:
