@@ -14,6 +14,9 @@ It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
 (the Lightning overhead), plus peak memory. Unless ``--no-eager``, the plain loop also runs
 with ``model.cuda_graphs=false`` ("plain-eager"), and the table gives captured/eager.
+``--against OVERLAY`` also runs the plain loop with a config overlay layered on top (e.g.
+``configs/ablations/plain_network.yaml``, the network before the record's parts), in the
+same run, and gives config/overlay.
 
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
@@ -22,6 +25,8 @@ and per step the GPU's busy time (the union of its kernels and copies) against t
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
     python benchmarks/step_time.py --only plain --profile profiles --steps 4
+    python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --only plain --no-eager \
+        --against configs/ablations/plain_network.yaml
 
 Without FineWeb on the machine, ``--corpus quickstart`` (the default when the config's
 files are missing) trains on the embedded corpus, repeated as needed.
@@ -217,7 +222,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
-    ap.add_argument("--child", choices=["lightning", "plain", "plain-eager"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["lightning", "plain", "plain-eager", "against"], default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--profile", nargs="?", const="profiles", default=None, metavar="DIR",
                     help="profile the plain loops' timed steps: Chrome traces in DIR (default ./profiles), "
                          "top ops, GPU busy vs wall time per step")
@@ -225,9 +231,14 @@ def main() -> None:
                     help="also time the plain loop with model.cuda_graphs=false and print captured/eager")
     ap.add_argument("--cprofile", action="store_true",
                     help="Python profile (cProfile) of the plain loop's timed steps: where the host time goes")
+    ap.add_argument("--against", default=None, metavar="OVERLAY",
+                    help="also time the plain loop with this config overlay layered on --config (same run)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     a = ap.parse_args()
+    if a.against and not Path(a.against).is_file():
+        sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
+                 "configs/ablations/plain_network.yaml)")
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
     cfg = load_config(a.config)
@@ -237,7 +248,9 @@ def main() -> None:
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
 
     if a.child:
-        if a.child.startswith("plain"):
+        if a.child == "against":
+            args[2:2] = ["--config", a.against]  # layered right after the base config
+        if a.child in ("plain", "plain-eager", "against"):
             result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.child)
         else:
             result = run_lightning(args, a.warmup, a.steps)
@@ -252,12 +265,14 @@ def main() -> None:
     modes = ["plain", "lightning"] if a.only == "both" else [a.only]
     if a.eager and "plain" in modes:
         modes.insert(modes.index("plain") + 1, "plain-eager")
+    if a.against:
+        modes.append("against")
     for mode in modes:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
         if mode == "plain-eager":
             cmd += ["--set", "model.cuda_graphs=false"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if (a.profile or a.cprofile) and mode.startswith("plain"):
+        if (a.profile or a.cprofile) and mode != "lightning":
             print(proc.stderr[-40000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -289,6 +304,9 @@ def main() -> None:
         # the same loop and config with model.cuda_graphs=false: what the graphs buy (RECORD §11)
         print(f"captured/eager step time: {results['plain']['seconds'] / results['plain-eager']['seconds']:.3f}x "
               f"(speed-up {results['plain-eager']['seconds'] / results['plain']['seconds']:.2f}x)")
+    if "plain" in results and "against" in results:
+        print(f"{a.config} / {a.config} + {a.against} step time (plain loops): "
+              f"{results['plain']['seconds'] / results['against']['seconds']:.3f}x")
 
 
 if __name__ == "__main__":
