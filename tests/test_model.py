@@ -7,7 +7,13 @@ import torch
 
 from nanogpt_pl.backends import Backends
 from nanogpt_pl.data.tokenizer import PADDED_VOCAB, TOKENIZER_VOCAB
-from nanogpt_pl.model.attention import attention_sdpa, dense_reference, resolve_backend, segment_positions
+from nanogpt_pl.model.attention import (
+    attention_sdpa,
+    dense_reference,
+    packed_attention,
+    resolve_backend,
+    segment_positions,
+)
 from nanogpt_pl.model.gpt import GPT, GPTConfig
 from nanogpt_pl.model.rotary import Rotary, apply_rotary
 from nanogpt_pl.module import SpeedrunModule
@@ -49,6 +55,21 @@ def test_attention_never_crosses_documents():
     out = attention_sdpa(q, k, v2, cu, 100, 0.5)
     assert torch.allclose(out[:20], base[:20]) and torch.allclose(out[45:], base[45:])
     assert not torch.allclose(out[20:45], base[20:45])
+
+
+@pytest.mark.parametrize("seed", [4, 31])
+def test_float32_queries_with_bf16_values_run_in_the_values_dtype(seed):
+    # under autocast the QK norm returns float32 while v stays bf16; the kernels take one dtype
+    # (flex refused the mix, torch's varlen raised "query and value must have the same dtype")
+    gen = torch.Generator().manual_seed(seed)
+    n, h, d = 80, 2, 16
+    q, k = (torch.randn(n, h, d, generator=gen) for _ in range(2))
+    v = torch.randn(n, h, d, generator=gen).bfloat16()
+    cu = random_cu(n, gen)
+    out = packed_attention(q, k, v, cu, n, 24, 0.25, "flex")
+    ref = dense_reference(q.bfloat16().double(), k.bfloat16().double(), v.double(), cu, 24, 0.25)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_segment_positions_restart_at_each_document():

@@ -183,7 +183,13 @@ def packed_attention(
     scale: float,
     backend: str,
 ) -> Tensor:
-    """Causal windowed attention inside segments. ``backend`` must already be resolved."""
+    """Causal windowed attention inside segments. ``backend`` must already be resolved.
+
+    The kernels take one dtype: q and k follow v's (under autocast the QK norm returns float32
+    while the values stay bf16).
+    """
+    if q.dtype != v.dtype or k.dtype != v.dtype:
+        q, k = q.to(v.dtype), k.to(v.dtype)
     if backend == "reference":
         return attention_sdpa(q, k, v, cu_seqlens, window, scale)
     if backend == "varlen" and q.shape[-1] == v.shape[-1]:

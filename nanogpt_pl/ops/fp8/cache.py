@@ -48,11 +48,14 @@ class WeightRecipe:
 
     @classmethod
     def of(cls, w: Tensor) -> "WeightRecipe":
-        if w.grad_fn is None:
-            return cls(w)
-        if w._base is None:  # recomputed every forward: nothing to key on (see _check_recomputed)
+        # ``grad_fn`` of a view is not read: for a view made with grad off (the ones ``build``
+        # makes) whose base changed since, autograd refuses to read it
+        base = w._base
+        if base is None:
+            return cls(w if w.grad_fn is None else w.detach())
+        if base.grad_fn is not None:  # a view of a recomputed tensor: rebuilt every call anyway
             return cls(w.detach())
-        return cls(w._base, (tuple(w.shape), tuple(w.stride()), w.storage_offset()))
+        return cls(base, (tuple(w.shape), tuple(w.stride()), w.storage_offset()))
 
     def build(self) -> Tensor:
         if self.view is None:
