@@ -70,6 +70,9 @@ def test_float32_queries_with_bf16_values_run_in_the_values_dtype(seed):
     ref = dense_reference(q.bfloat16().double(), k.bfloat16().double(), v.double(), cu, 24, 0.25)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 values too: autocast's dtype
+        mixed = packed_attention(q, k, v.float(), cu, n, 24, 0.25, "flex")
+    assert mixed.dtype == torch.bfloat16 and torch.allclose(mixed.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_segment_positions_restart_at_each_document():

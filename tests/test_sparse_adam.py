@@ -46,8 +46,10 @@ def random_events(seed: int, rows: int, dim: int, events: int):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 7, 42])
-def test_lazy_row_adam_equals_dense_adam_in_fp64(seed):
+@pytest.mark.parametrize("seed, chunk", [(0, None), (7, None), (42, 5)])
+def test_lazy_row_adam_equals_dense_adam_in_fp64(seed, chunk, monkeypatch):
+    if chunk is not None:  # an event's rows in chunks of 5 (the GPU's are 2**18)
+        monkeypatch.setattr("nanogpt_pl.optim.sparse_adam.LAZY_CHUNK_ROWS", chunk)
     rows, dim, events = 48, 6, 80
     gen = torch.Generator().manual_seed(100 + seed)
     p0 = torch.randn(rows, dim, generator=gen, dtype=F64) * 0.3

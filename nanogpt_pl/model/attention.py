@@ -185,11 +185,13 @@ def packed_attention(
 ) -> Tensor:
     """Causal windowed attention inside segments. ``backend`` must already be resolved.
 
-    The kernels take one dtype: q and k follow v's (under autocast the QK norm returns float32
-    while the values stay bf16).
+    The kernels take one dtype: autocast's (its QK norm returns float32 while the QKV GEMM gave
+    bf16, and a float32 value embedding can make v float32), else v's.
     """
-    if q.dtype != v.dtype or k.dtype != v.dtype:
-        q, k = q.to(v.dtype), k.to(v.dtype)
+    kind = v.device.type
+    dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else v.dtype
+    if q.dtype != dt or k.dtype != dt or v.dtype != dt:
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if backend == "reference":
         return attention_sdpa(q, k, v, cu_seqlens, window, scale)
     if backend == "varlen" and q.shape[-1] == v.shape[-1]:

@@ -52,6 +52,10 @@ SPARSE_WD_MUL = 5.0  # RECORD §4/§5: wd_mul 5, doubled to 10 when the cadence 
 SPARSE_EPS = 1e-10  # RECORD §4
 # Rows updated per chunk by the value-embedding shard Adam, bounding its fp32 temporaries.
 DENSE_CHUNK_ROWS = 1 << 16
+# Rows per chunk of a lazy n-gram event: a stage-2 event on one GPU carries ~3M padded rows of
+# 768 channels, 9 GiB per fp32 temporary if done at once (it ran out of memory beside the CUDA
+# graphs' pools); rows are unique, so the chunks are independent and the result is the same.
+LAZY_CHUNK_ROWS = 1 << 18
 
 
 class LazyRowAdam:
@@ -116,16 +120,18 @@ class LazyRowAdam:
         self.event = j
         if rows.numel() == 0:
             return
-        p = table.index_select(0, rows).to(self.dtype)
-        v = self._v.index_select(0, rows) * self.decay_since(self._last_event.index_select(0, rows), j)
-        g = grad.to(self.dtype)
-        v = beta2 * v + (1 - beta2) * g.square().mean(-1)
-        u = g / (v.sqrt() + eps).unsqueeze(-1) * (lr * math.sqrt(1 - beta2**j))
-        if weight_decay:
-            u = u + torch.where(u * p > 0, p * (lr * lr * weight_decay), torch.zeros_like(p))
-        table.index_copy_(0, rows, (p - u).to(table.dtype))
-        self._v.index_copy_(0, rows, v)
-        self._last_event.index_fill_(0, rows, j)
+        for a in range(0, rows.numel(), LAZY_CHUNK_ROWS):
+            r, gr = rows[a:a + LAZY_CHUNK_ROWS], grad[a:a + LAZY_CHUNK_ROWS]
+            p = table.index_select(0, r).to(self.dtype)
+            v = self._v.index_select(0, r) * self.decay_since(self._last_event.index_select(0, r), j)
+            g = gr.to(self.dtype)
+            v = beta2 * v + (1 - beta2) * g.square().mean(-1)
+            u = (g / (v.sqrt() + eps).unsqueeze(-1)).mul_(lr * math.sqrt(1 - beta2**j))
+            if weight_decay:
+                u.add_(torch.where(u * p > 0, p * (lr * lr * weight_decay), 0.0))
+            table.index_copy_(0, r, p.sub_(u).to(table.dtype))
+            self._v.index_copy_(0, r, v)
+            self._last_event.index_fill_(0, r, j)
 
     @torch.no_grad()
     def replay_all_(self) -> None:
