@@ -155,6 +155,32 @@ def test_window_zero_is_the_identity_on_values():
     torch.testing.assert_close(v.grad, torch.ones(n, h, 16))
 
 
+@interp
+def test_kernels_are_custom_ops_that_compile_without_a_graph_break():
+    """torch.compile must see the kernels as opaque ops (fake shapes, registered autograd), as it
+    sees torch's varlen op: tracing their launches made inductor recompile them with an fp64
+    scale, which Triton rejected on the GPU."""
+    from nanogpt_pl.ops.triton.attention import _attention_fwd, triton_packed_attention, visible_ranges
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    n, h, d_qk, d_v = 64, 2, 16, 32
+    q, k, v, g = _inputs(n, h, d_qk, d_v, torch.float32, "cpu", gen)
+    cu = cu_from_lengths([20, 44], n)
+    row_lo, col_hi = visible_ranges(cu, n, 24)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(_attention_fwd, (*leaves, row_lo, col_hi, 0.3),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    def layer(a, b, c):
+        return torch.tanh(triton_packed_attention(a * 2.0, b, c, cu, n, 24, 0.3)) * 0.5
+
+    eager, eager_grads = _run(layer, q, k, v, g)
+    compiled, compiled_grads = _run(torch.compile(layer, fullgraph=True), q, k, v, g)
+    _assert_close(compiled, eager, "compiled output")
+    for name, got, want in zip("qkv", compiled_grads, eager_grads):
+        _assert_close(got, want, f"compiled d{name}")
+
+
 # ---------------------------------------------------------------- GPU, bf16, record shapes
 
 

@@ -49,7 +49,7 @@ def random_events(seed: int, rows: int, dim: int, events: int):
 @pytest.mark.parametrize("seed, chunk", [(0, None), (7, None), (42, 5)])
 def test_lazy_row_adam_equals_dense_adam_in_fp64(seed, chunk, monkeypatch):
     if chunk is not None:  # an event's rows in chunks of 5 (the GPU's are 2**18)
-        monkeypatch.setattr("nanogpt_pl.optim.sparse_adam.LAZY_CHUNK_ROWS", chunk)
+        monkeypatch.setattr("nanogpt_pl.optim.sparse_adam.SPARSE_CHUNK_ROWS", chunk)
     rows, dim, events = 48, 6, 80
     gen = torch.Generator().manual_seed(100 + seed)
     p0 = torch.randn(rows, dim, generator=gen, dtype=F64) * 0.3
@@ -125,6 +125,7 @@ def reference_adam(p, m, v, g, t, lr, betas, wd):
 @pytest.mark.parametrize("seed", [4, 5])
 def test_shard_adam_equals_dense_adam_with_zero_gradient_rows(seed, monkeypatch):
     monkeypatch.setattr("nanogpt_pl.optim.sparse_adam.DENSE_CHUNK_ROWS", 7)  # exercise the chunking
+    monkeypatch.setattr("nanogpt_pl.optim.sparse_adam.SPARSE_CHUNK_ROWS", 3)
     gen = torch.Generator().manual_seed(seed)
     rows, dim = 23, 5
     p = torch.randn(rows, dim, generator=gen, dtype=F64)

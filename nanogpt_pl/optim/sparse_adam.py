@@ -52,10 +52,11 @@ SPARSE_WD_MUL = 5.0  # RECORD §4/§5: wd_mul 5, doubled to 10 when the cadence 
 SPARSE_EPS = 1e-10  # RECORD §4
 # Rows updated per chunk by the value-embedding shard Adam, bounding its fp32 temporaries.
 DENSE_CHUNK_ROWS = 1 << 16
-# Rows per chunk of a lazy n-gram event: a stage-2 event on one GPU carries ~3M padded rows of
-# 768 channels, 9 GiB per fp32 temporary if done at once (it ran out of memory beside the CUDA
-# graphs' pools); rows are unique, so the chunks are independent and the result is the same.
-LAZY_CHUNK_ROWS = 1 << 18
+# Gradient rows per chunk of a sparse event (the lazy n-gram update, the value embeddings' moment
+# update): a stage-2 event on one GPU carries millions of padded rows of 768 channels, 9-18 GiB
+# per fp32 temporary if done at once (it ran out of memory beside the CUDA graphs' pools); rows
+# are unique, so the chunks are independent and the result is the same.
+SPARSE_CHUNK_ROWS = 1 << 18
 
 
 class LazyRowAdam:
@@ -120,8 +121,8 @@ class LazyRowAdam:
         self.event = j
         if rows.numel() == 0:
             return
-        for a in range(0, rows.numel(), LAZY_CHUNK_ROWS):
-            r, gr = rows[a:a + LAZY_CHUNK_ROWS], grad[a:a + LAZY_CHUNK_ROWS]
+        for a in range(0, rows.numel(), SPARSE_CHUNK_ROWS):
+            r, gr = rows[a:a + SPARSE_CHUNK_ROWS], grad[a:a + SPARSE_CHUNK_ROWS]
             p = table.index_select(0, r).to(self.dtype)
             v = self._v.index_select(0, r) * self.decay_since(self._last_event.index_select(0, r), j)
             g = gr.to(self.dtype)
@@ -171,10 +172,10 @@ def _add_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tenso
     beta1, beta2 = betas
     exp_avg.mul_(beta1)
     exp_avg_sq.mul_(beta2)
-    if rows.numel():
-        g = grad.to(exp_avg.dtype)
-        exp_avg.index_add_(0, rows, g, alpha=1 - beta1)
-        exp_avg_sq.index_add_(0, rows, g * g, alpha=1 - beta2)
+    for a in range(0, rows.numel(), SPARSE_CHUNK_ROWS):
+        r, g = rows[a:a + SPARSE_CHUNK_ROWS], grad[a:a + SPARSE_CHUNK_ROWS].to(exp_avg.dtype)
+        exp_avg.index_add_(0, r, g, alpha=1 - beta1)
+        exp_avg_sq.index_add_(0, r, g * g, alpha=1 - beta2)
 
 
 def _apply_moments_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,

@@ -317,52 +317,83 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"triton attention: {q.shape[0]} tokens overflow int32 offsets; split the micro-batch")
 
 
-class _PackedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, row_lo: Tensor, col_hi: Tensor, scale: float) -> Tensor:
-        q, k, v = (_lastdim_contiguous(x) for x in (q, k, v))
-        n, h, d_qk = q.shape
-        d_v = v.shape[-1]
-        o = torch.empty(n, h, d_v, device=q.device, dtype=q.dtype)
-        lse = torch.empty(h, n, device=q.device, dtype=torch.float32)
-        bm, bn, warps, stages = _tiles("fwd", d_qk, d_v)
-        _fwd_kernel[(triton.cdiv(n, bm), h)](
-            q, k, v, o, lse, row_lo, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), scale * LOG2E, D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages,
-        )
-        ctx.save_for_backward(q, k, v, o, lse, row_lo, col_hi)
-        ctx.scale = scale
-        return o
+# The kernels run inside two custom ops, so ``torch.compile`` treats them as opaque calls (as it
+# does torch's varlen op) instead of tracing the launches: inductor, recompiling a traced user
+# kernel, passed the float scale as fp64 and Triton refused the loop's fp32 accumulator.
+@torch.library.custom_op("nanogpt_pl::packed_attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, row_lo: Tensor, col_hi: Tensor, scale: float
+                   ) -> tuple[Tensor, Tensor]:
+    """(out [N, H, Dv], log2-sum-exp [H, N] float32). ``col_hi`` is only kept for the backward."""
+    q, k, v = (_lastdim_contiguous(x) for x in (q, k, v))
+    n, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    o = torch.empty(n, h, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(h, n, device=q.device, dtype=torch.float32)
+    bm, bn, warps, stages = _tiles("fwd", d_qk, d_v)
+    _fwd_kernel[(triton.cdiv(n, bm), h)](
+        q, k, v, o, lse, row_lo, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), scale * LOG2E, D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages,
+    )
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, o, lse, row_lo, col_hi = ctx.saved_tensors
-        do = _lastdim_contiguous(do)
-        n, h, d_qk = q.shape
-        d_v = v.shape[-1]
-        delta = torch.empty(h, n, device=q.device, dtype=torch.float32)
-        block = 16 if INTERPRET else 64
-        _delta_kernel[(triton.cdiv(n, block), h)](
-            o, do, delta, n, o.stride(0), o.stride(1), do.stride(0), do.stride(1), D_V=d_v, BLOCK_M=block,
-        )
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        qk_scale = ctx.scale * LOG2E
-        bm, bn, warps, stages = _tiles("dkdv", d_qk, d_v)
-        _dkdv_kernel[(triton.cdiv(n, bn), h)](
-            q, k, v, do, dk, dv, lse, delta, row_lo, col_hi, n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), qk_scale, ctx.scale,
-            D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-        )
-        bm, bn, warps, stages = _tiles("dq", d_qk, d_v)
-        _dq_kernel[(triton.cdiv(n, bm), h)](
-            q, k, v, do, dq, lse, delta, row_lo, n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dq.stride(0), dq.stride(1), qk_scale, ctx.scale,
-            D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-        )
-        return dq, dk, dv, None, None, None
+
+@_attention_fwd.register_fake
+def _(q, k, v, row_lo, col_hi, scale):
+    n, h, _ = q.shape
+    return q.new_empty(n, h, v.shape[-1]), q.new_empty(h, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("nanogpt_pl::packed_attention_bwd", mutates_args=())
+def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, row_lo: Tensor,
+                   col_hi: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of :func:`_attention_fwd`'s output."""
+    q, k, v, do = (_lastdim_contiguous(x) for x in (q, k, v, do))
+    n, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    delta = torch.empty(h, n, device=q.device, dtype=torch.float32)
+    block = 16 if INTERPRET else 64
+    _delta_kernel[(triton.cdiv(n, block), h)](
+        o, do, delta, n, o.stride(0), o.stride(1), do.stride(0), do.stride(1), D_V=d_v, BLOCK_M=block,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qk_scale = scale * LOG2E
+    bm, bn, warps, stages = _tiles("dkdv", d_qk, d_v)
+    _dkdv_kernel[(triton.cdiv(n, bn), h)](
+        q, k, v, do, dk, dv, lse, delta, row_lo, col_hi, n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), qk_scale, scale,
+        D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
+    bm, bn, warps, stages = _tiles("dq", d_qk, d_v)
+    _dq_kernel[(triton.cdiv(n, bm), h)](
+        q, k, v, do, dq, lse, delta, row_lo, n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1), qk_scale, scale,
+        D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
+    return dq, dk, dv
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, row_lo, col_hi, scale):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, row_lo, col_hi, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, row_lo, col_hi)
+    ctx.scale = scale
+
+
+def _backward(ctx, do: Tensor, dlse: Tensor):
+    q, k, v, o, lse, row_lo, col_hi = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, row_lo, col_hi, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
@@ -376,5 +407,5 @@ def triton_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     del max_seqlen
     _check(q, k, v)
     row_lo, col_hi = visible_ranges(cu_seqlens, q.shape[0], int(window))
-    return _PackedAttention.apply(q, k, v, row_lo, col_hi, float(scale))
+    return _attention_fwd(q, k, v, row_lo, col_hi, float(scale))[0]
 
