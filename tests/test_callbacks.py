@@ -196,3 +196,17 @@ def test_throughput_logs_what_lightnings_meter_computes(toy_files, tmp_path):
     assert float(logged["train/device/mfu"]) == pytest.approx(rates["device/flops_per_sec"] / 1e12)
     # the window's FLOPs are the module's per-step figure: tokens x dense FLOPs per token
     assert module.flops_per_batch == 1024 * module.gpt_config.flops_per_token(512, 64, 256)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_throughput_on_a_gpu_reads_events_and_counts_every_step(toy_files, tmp_path):
+    steps, window = 8, 4
+    module, data = make_run(toy_files, tiny_schedule(steps))
+    meter = SpeedrunThroughput(window_size=window, available_flops=1e12)
+    trainer = make_trainer(tmp_path, callbacks=[meter], accelerator="cuda")
+    trainer.fit(module, data)
+    assert not meter._pending and meter._start is not None  # every step's event was read by the end
+    assert (meter.steps, meter.micro_batches, meter.tokens) == (steps, 2 * steps, 1024 * steps)
+    assert list(meter.meter._batches) == list(range(steps - window + 1, steps + 1))
+    assert meter.meter.compute()["device/items_per_sec"] > 0
