@@ -210,7 +210,8 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         checks = ", ".join(f"loss {c.loss_rel:.1e} grads {c.grad_rel:.1e}{'' if c.passed else ' FAILED'}"
                            for c in g.checks.values())
         graphs = (f"{tag}: CUDA graphs: {len(g.captured_keys())} keys captured, {g.replays} micro-batches replayed, "
-                  f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}")
+                  f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}; keys differ in "
+                  f"{g.key_differences() or 'nothing'}")
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 

@@ -159,6 +159,23 @@ def max_seqlen_bound(schedule: Any, mb: dict[str, Any]) -> int:
     return min(n, int(bound))
 
 
+def pad_cu_seqlens(cu_seqlens: Tensor, at_least: int = 0) -> Tensor:
+    """``cu_seqlens`` padded with its last entry (T: zero-length segments) to the next power of
+    two of its length, and at least ``at_least`` entries.
+
+    The loader pads to the record's fixed length (RECORD §1) or, when a micro-batch has more
+    documents, to the next multiple of 128: on a corpus of short documents that gave a new
+    length, hence a new key and a new capture, every few micro-batches. The graphs pad further,
+    to few lengths, and never shrink back within a sequence length (``at_least``), so a stage
+    settles on one key.
+    """
+    n = cu_seqlens.numel()
+    want = max(int(at_least), 1 << (n - 1).bit_length())
+    if want <= n:
+        return cu_seqlens
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(want - n)])
+
+
 # -- the graphs ----------------------------------------------------------------------------------
 def _static_copy(value: Any) -> Any:
     """A same-layout copy of a nest of tensors; a leaf that requires grad stays one."""
@@ -249,6 +266,29 @@ class StepGraphs:
     # -- bookkeeping ---------------------------------------------------------------------------
     def captured_keys(self) -> list:
         return [k for k, e in self.entries.items() if e.graph is not None]
+
+    def key_differences(self) -> dict[str, int]:
+        """What the keys seen so far differ in: field (or input-layout entry) -> distinct values.
+
+        A stage whose micro-batches should share one graph but make several points at the
+        input whose shape or value varies.
+        """
+        keys = [k for k in self.entries if isinstance(k, CaptureKey)]
+        out: dict[str, int] = {}
+        for f in dataclasses.fields(CaptureKey):
+            if f.name == "layout":
+                continue
+            n = len({getattr(k, f.name) for k in keys})
+            if n > 1:
+                out[f.name] = n
+        entries: dict[str, set] = collections.defaultdict(set)
+        for k in keys:
+            for item in k.layout:
+                entries[item[0]].add(item[1:])
+        for name, values in entries.items():
+            if len(values) > 1:
+                out[f"layout:{name}"] = len(values)
+        return out
 
     def reset(self) -> None:
         """Drop every graph and visit count (the next two visits of each key capture again)."""
@@ -456,6 +496,7 @@ class ModuleGraphs:
                                  fingerprint=self._fingerprint)
         self._mtp: Optional[tuple[tuple, Tensor]] = None
         self._warned_bound = False
+        self._docs_bound: dict[int, int] = {}  # T -> the cu_seqlens length its keys use (only grows)
 
     def _refresh_fp8(self) -> None:
         for st in self.fp8_states:
@@ -496,6 +537,9 @@ class ModuleGraphs:
             run_mb["max_seqlen"] = int(mb["max_seqlen"])
             return self._eager_call()(run_mb, sparse, micro_batches)
         run_mb["max_seqlen"] = bound
+        tokens = int(mb["inputs"].numel())
+        run_mb["cu_seqlens"] = pad_cu_seqlens(mb["cu_seqlens"], self._docs_bound.get(tokens, 0))
+        self._docs_bound[tokens] = int(run_mb["cu_seqlens"].numel())
         run_mb["mtp_weights"] = self._mtp_weights(tuple(s.mtp_weights), device)
         scales = tuple(rot.attn_scale for rot in module.model.rotaries.values())
         key = capture_key(run_mb, sparse, windows=s.windows, attn_scales=scales, mtp_terms=len(s.mtp_weights),

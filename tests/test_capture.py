@@ -28,6 +28,7 @@ from nanogpt_pl.capture import (
     capture_key,
     cuda_graphs_active,
     max_seqlen_bound,
+    pad_cu_seqlens,
     schedule_key,
 )
 from nanogpt_pl.data.planning import max_num_docs
@@ -161,6 +162,49 @@ def test_tensor_values_do_not_change_the_key():
 ])
 def test_each_setting_the_forward_reads_as_a_number_makes_a_new_key(change):
     assert _key(**change) != _key()
+
+
+def test_key_differences_name_the_fields_and_inputs_that_vary():
+    graphs = StepGraphs([])
+    for key in (_key(), _key(_mb(docs=256)), _key(_mb(docs=256), windows=(128, 256)), _key(_mb(seed=5))):
+        graphs.entries.setdefault(key, None)
+    # docs=256 changes both max_docs and the cu_seqlens shape in the layout; seed changes nothing
+    assert graphs.key_differences() == {"max_docs": 2, "windows": 2, "layout:mb.cu_seqlens": 2}
+    assert StepGraphs([]).key_differences() == {}
+
+
+def test_cu_seqlens_pad_to_powers_of_two_and_never_shrink():
+    cu = torch.tensor([0, 5, 9, 16, 16], dtype=torch.int32)
+    assert pad_cu_seqlens(cu).tolist() == [0, 5, 9, 16, 16, 16, 16, 16]
+    assert pad_cu_seqlens(cu, at_least=16).tolist() == [0, 5, 9, 16] + [16] * 12
+    full = torch.arange(0, 129, dtype=torch.int32)
+    assert torch.equal(pad_cu_seqlens(full[:128]), full[:128])  # a power of two already
+    assert pad_cu_seqlens(full).numel() == 256  # 129 entries -> 256
+
+
+@pytest.mark.filterwarnings("ignore:model.gpt.fp8_qkv:UserWarning")
+@pytest.mark.parametrize("seed", [2, 9])
+def test_padded_cu_seqlens_leave_the_loss_and_gradients_unchanged(seed, one_thread):
+    # zero-length segments at the end change nothing the model computes (the record network's
+    # rotary positions, attention masks, paired doubling and MUDD read cu_seqlens)
+    import yaml
+
+    spec = yaml.safe_load(open("configs/speedrun.yaml"))["model"]["gpt"]
+    gpt = GPTConfig(**{**spec, "vocab_size": 50304, "model_dim": 96, "head_dim": 16, "mlp_hidden": 64,
+                       "ngram_rows": 4096})
+    module = make_module("cpu", False, every_technique_schedule(steps=2, seq_len=256), gpt, seed=seed,
+                         backends=Backends(fp8="reference"))
+    module.apply_schedule(0)
+    mb = step_batch(module, 0, seed=seed, micro_batches=1, seq_len=256)[0]
+    out = []
+    for cu in (mb["cu_seqlens"], pad_cu_seqlens(mb["cu_seqlens"], at_least=4 * mb["cu_seqlens"].numel())):
+        module.model.zero_grad(set_to_none=True)
+        sparse = module.sparse_channels.inputs(mb["inputs"], train=True)
+        loss = module._micro_loss({**mb, "cu_seqlens": cu}, sparse)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in module.model.parameters() if p.grad is not None]))
+    assert out[0][0] == out[1][0]
+    assert len(out[0][1]) == len(out[1][1]) and all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
 def test_prefix_weight_zero_is_off_and_sparse_leaf_shapes_are_in_the_key():
