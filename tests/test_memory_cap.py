@@ -58,6 +58,6 @@ def test_the_24gb_config_keeps_the_record_schedule_with_smaller_micro_batches():
         assert s["seq_len"] <= 24_576 and s["batch_tokens"] % s["seq_len"] == 0
     assert {k: v for k, v in small["schedule"].items() if k != "stages"} == \
         {k: v for k, v in full["schedule"].items() if k != "stages"}
-    assert small["model"]["gpt"]["ngram_rows"] == 84_602_880 // 16  # RECORD §3 table / 16
+    assert small["model"]["gpt"]["ngram_rows"] == 84_602_880 // 32  # RECORD §3 table / 32
     caps = [c for c in small["trainer"]["callbacks"] if c["class_path"] == "callbacks.memory_cap.GpuMemoryCap"]
     assert caps == [{"class_path": "callbacks.memory_cap.GpuMemoryCap", "init_args": {"max_gib": 22}}]

@@ -27,7 +27,9 @@ import yaml
 from test_cli import LAUNCH_VARS, ROOT
 
 README = ROOT / "README.md"
-GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml", "configs/gpu_smoke.yaml")
+GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml", "configs/speedrun_24gb.yaml",
+               "configs/gpu_smoke.yaml")
+ENV_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)+")  # VAR=value words before a command
 
 TINY = {
     "model": {"gpt": {"model_dim": 32, "num_heads": 2, "head_dim": 16, "mlp_hidden": 64}},
@@ -57,7 +59,7 @@ def config_comment_commands() -> tuple[list[str], list[tuple[str, str, str]]]:
             if not line.startswith("#"):
                 continue
             body = line.lstrip("#").strip()
-            if body.startswith(("python ", "nanogpt-pl ")):
+            if ENV_PREFIX.sub("", body).startswith(("python ", "nanogpt-pl ")):
                 commands.append(shlex.join(shlex.split(body, comments=True)))
                 continue
             for key, value in re.findall(r"(--[\w.]+) ([^\s,]+)", body):
@@ -66,7 +68,9 @@ def config_comment_commands() -> tuple[list[str], list[tuple[str, str, str]]]:
 
 
 def argv_of(command: str) -> list[str]:
-    words = shlex.split(command)
+    """The command's argv; leading ``VAR=value`` words are dropped (the one used, the CUDA
+    allocator's setting, means nothing to the parse-only GPU commands it prefixes)."""
+    words = shlex.split(ENV_PREFIX.sub("", command))
     if words[0] == "python":
         return [sys.executable, *words[1:]]
     if words[0] == "nanogpt-pl":  # the console script is `nanogpt_pl.cli:main` (pyproject.toml)
