@@ -88,7 +88,8 @@ class _Clock(L.Callback):
                 self.t1 = time.perf_counter()
 
 
-def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str]) -> tuple[list[str], dict]:
+def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str],
+              overlay: Optional[str] = None) -> tuple[list[str], dict]:
     cfg = load_config(config)
     sched = dict(cfg.get("schedule") or {})
     stages = sched.get("stages")
@@ -101,7 +102,7 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     st = dict(stages[stage])
     st["steps"] = steps
     st["extension"] = False
-    args = ["--config", config,
+    args = ["--config", config, *(["--config", overlay] if overlay else []),
             "--schedule.stages", json.dumps([st]),
             "--schedule.warmup_steps", "0", "--schedule.cooldown_frac", "0.0",
             "--schedule.sparse_cadence_start", "0", "--schedule.untie_step", "null",
@@ -246,11 +247,10 @@ def main() -> None:
     train_glob = (cfg.get("data") or {}).get("train_files")
     corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
     total = a.warmup + a.steps
-    args, stage = _args_for(a.config, a.stage, total, corpus, a.set)
+    args, stage = _args_for(a.config, a.stage, total, corpus, a.set,
+                            overlay=a.against if a.child == "against" else None)
 
     if a.child:
-        if a.child == "against":
-            args[2:2] = ["--config", a.against]  # layered right after the base config
         if a.child in ("plain", "plain-eager", "against"):
             result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.child)
         else:

@@ -119,8 +119,6 @@ class LazyRowAdam:
         j = self.event + 1
         self._record_beta2(j, beta2)
         self.event = j
-        if rows.numel() == 0:
-            return
         for a in range(0, rows.numel(), SPARSE_CHUNK_ROWS):
             r, gr = rows[a:a + SPARSE_CHUNK_ROWS], grad[a:a + SPARSE_CHUNK_ROWS]
             p = table.index_select(0, r).to(self.dtype)
