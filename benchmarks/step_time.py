@@ -145,6 +145,15 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
+def _graph_counts(module) -> dict:
+    """Replays, eager micro-batches and captured keys of the module's CUDA graphs so far (zeros without)."""
+    graphs = getattr(module, "_graphs", None)
+    if graphs is None:
+        return {"replays": 0, "eager": 0, "keys": 0}
+    g = graphs.graphs
+    return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys())}
+
+
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
               tag: str = "plain") -> dict:
     cli = cli_main(args, run=False, save_config=False)
@@ -166,6 +175,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         if step == warmup:
             _sync()
             t0 = time.perf_counter()
+            before = _graph_counts(module)
             if profile:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
@@ -181,6 +191,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0
+    after = _graph_counts(module)
     if cprof is not None:
         import pstats
 
@@ -213,6 +224,12 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         graphs = (f"{tag}: CUDA graphs: {len(g.captured_keys())} keys captured, {g.replays} micro-batches replayed, "
                   f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}; keys differ in "
                   f"{g.key_differences() or 'nothing'}")
+        timed = {k: after[k] - before[k] for k in after}
+        # a key first seen or captured inside the timed steps puts its eager runs, capture and
+        # self-check (and the device synchronize a capture starts with) on the clock
+        graphs += (f"; in the timed steps: {timed['replays']} replayed, {timed['eager']} eager, "
+                   f"{timed['keys']} keys captured" + (" (captures on the clock: raise --warmup)"
+                                                       if timed["eager"] or timed["keys"] else ""))
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 

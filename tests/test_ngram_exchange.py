@@ -363,3 +363,48 @@ def test_fixed_exchange_makes_no_host_sync_at_2_ranks(tmp_path: Path) -> None:
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["fixed"] == "ok"
         assert result["reference"].startswith("caught"), result
+
+
+# -- the padding's slots -------------------------------------------------------------------
+def _padded_entries(gen: torch.Generator, fill: int, n_real: int, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.randint(0, 40, (n_real,), generator=gen)
+    rows = torch.cat([rows, torch.full((n_pad,), fill)])[torch.randperm(n_real + n_pad, generator=gen)]
+    return rows, torch.randn(rows.numel(), 3, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_unique_fixed_gives_each_padding_entry_its_own_slot(seed: int) -> None:
+    from nanogpt_pl.distributed.row_exchange import unique_fixed
+
+    fill = 1000
+    gen = torch.Generator().manual_seed(seed)
+    rows, _ = _padded_entries(gen, fill, 30, 25)
+    real = torch.unique(rows[rows != fill])
+    unique, inverse = unique_fixed(rows, rows.numel(), fill)
+    # the real values first, sorted, then padding; every entry's slot holds its value
+    assert torch.equal(unique[: real.numel()], real) and bool((unique[real.numel():] == fill).all())
+    assert torch.equal(unique[inverse], rows)
+    # the padding entries' slots are distinct (no pile-up of index_add_ on one slot)
+    pad_slots = inverse[rows == fill]
+    assert pad_slots.unique().numel() == pad_slots.numel()
+    assert bool((pad_slots >= real.numel()).all())
+    # with less room the padding shares the slots left, never a real value's
+    tight = real.numel() + 4
+    unique_t, inverse_t = unique_fixed(rows, tight, fill)
+    assert unique_t.numel() == tight and torch.equal(unique_t[inverse_t], rows)
+    assert set(inverse_t[rows == fill].tolist()) == set(range(real.numel(), tight))
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_merge_compact_fixed_sums_equal_the_exact_merge(seed: int) -> None:
+    from nanogpt_pl.distributed.row_exchange import merge_compact, merge_compact_fixed
+
+    fill = 1000
+    gen = torch.Generator().manual_seed(seed)
+    entries = [_padded_entries(gen, fill, 12, 9) for _ in range(3)]
+    exact_entries = [(r[r != fill], g[r != fill]) for r, g in entries]
+    ids, sums = merge_compact(exact_entries, (0, 3), torch.device("cpu"))
+    rows, merged = merge_compact_fixed(entries, fill)
+    n = ids.numel()
+    assert torch.equal(rows[:n], ids) and bool((rows[n:] == fill).all())
+    torch.testing.assert_close(merged[:n].double(), sums.double(), rtol=1e-6, atol=1e-6)

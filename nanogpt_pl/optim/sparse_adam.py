@@ -167,13 +167,19 @@ def shard_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor
 
 def _add_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor,
                   betas: tuple[float, float]) -> None:
+    """m += (1-β₁)g, v += (1-β₂)g² at ``rows`` (after the decay of every row).
+
+    Gathered, added and written back rather than ``index_add_``: ``rows`` are unique but
+    for repeats of a padding (scratch) row, whose moments are never read, and on a GPU
+    ``index_add_`` would serialize those repeats on its atomics.
+    """
     beta1, beta2 = betas
     exp_avg.mul_(beta1)
     exp_avg_sq.mul_(beta2)
     for a in range(0, rows.numel(), SPARSE_CHUNK_ROWS):
         r, g = rows[a:a + SPARSE_CHUNK_ROWS], grad[a:a + SPARSE_CHUNK_ROWS].to(exp_avg.dtype)
-        exp_avg.index_add_(0, r, g, alpha=1 - beta1)
-        exp_avg_sq.index_add_(0, r, g * g, alpha=1 - beta2)
+        exp_avg.index_copy_(0, r, exp_avg.index_select(0, r).add_(g, alpha=1 - beta1))
+        exp_avg_sq.index_copy_(0, r, exp_avg_sq.index_select(0, r).add_(g * g, alpha=1 - beta2))
 
 
 def _apply_moments_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
