@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LAUNCH_VARS
+from conftest import LAUNCH_VARS, cli_in_process
 
 from nanogpt_pl.config_files import expand_config_bases, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_print_config_applies_overrides(tmp_path, toy_files, toy_config, run_cli):
+def test_print_config_applies_overrides(tmp_path, toy_files, toy_config):
     cfg = toy_config(tmp_path, toy_files)
-    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_steps", "50", "--model.gpt.num_layers", "3",
-                   "--print_config"], tmp_path)
-    assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout)
+    code, stdout, stderr = cli_in_process(["fit", "--config", str(cfg), "--trainer.max_steps", "50",
+                                           "--model.gpt.num_layers", "3", "--print_config"], tmp_path)
+    assert code == 0, stderr
+    printed = yaml.safe_load(stdout)
     assert printed["trainer"]["max_steps"] == 50
     assert printed["model"]["gpt"]["num_layers"] == 3
     assert printed["schedule"]["stages"][0]["candidates"] == 2048
@@ -60,11 +60,11 @@ def test_two_gloo_processes_match_one_process_with_accumulation(tmp_path, toy_fi
 
 
 @pytest.mark.parametrize("ablation", sorted(p.name for p in (ROOT / "configs" / "ablations").glob("*.yaml")))
-def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation, run_cli):
-    out = run_cli(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), "--config",
-                   str(ROOT / "configs" / "ablations" / ablation), "--print_config"], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    cfg = yaml.safe_load(out.stdout)
+def test_ablation_configs_compose_with_the_speedrun_config(tmp_path, ablation):
+    code, stdout, stderr = cli_in_process(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), "--config",
+                                           str(ROOT / "configs" / "ablations" / ablation), "--print_config"], tmp_path)
+    assert code == 0, stderr[-2000:]
+    cfg = yaml.safe_load(stdout)
     assert cfg["model"]["gpt"]["num_layers"] == 11  # the speedrun config underneath
     expect = {
         "no_fp8.yaml": lambda c: not any(c["model"]["gpt"][k] for k in ("fp8_mlp", "fp8_head", "fp8_qkv")),
@@ -100,14 +100,15 @@ def test_a_user_callback_in_yaml_runs_alongside_ours(tmp_path, toy_files, toy_co
     assert lrs[0] < lrs[1] and (tmp_path / "ckpt" / "last.ckpt").exists()
 
 
-def test_speedrun_1gpu_is_speedrun_with_only_its_differences(tmp_path, run_cli):
+def test_speedrun_1gpu_is_speedrun_with_only_its_differences(tmp_path):
     """speedrun_1gpu.yaml holds only what differs; alone on the command line it resolves to the
     full speedrun config with exactly these changes."""
     printed = {}
     for name in ("speedrun.yaml", "speedrun_1gpu.yaml"):
-        out = run_cli(["fit", "--config", str(ROOT / "configs" / name), "--print_config"], tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
-        printed[name] = yaml.safe_load(out.stdout)
+        code, stdout, stderr = cli_in_process(["fit", "--config", str(ROOT / "configs" / name), "--print_config"],
+                                              tmp_path)
+        assert code == 0, stderr[-2000:]
+        printed[name] = yaml.safe_load(stdout)
     base, one = printed["speedrun.yaml"], printed["speedrun_1gpu.yaml"]
     assert one["trainer"]["devices"] == 1 and base["trainer"]["devices"] == 8
     assert one["model"]["gpt"]["ngram_rows"] == 21_150_720 and base["model"]["gpt"]["ngram_rows"] == 84_602_880
@@ -142,10 +143,11 @@ def test_config_base_chain_and_errors(tmp_path):
         load_config(tmp_path / "d.yaml")
 
 
-def test_gpu_smoke_config_runs_alone_on_the_one_gpu_config(tmp_path, run_cli):
-    out = run_cli(["fit", "--config", str(ROOT / "configs" / "gpu_smoke.yaml"), "--print_config"], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    cfg = yaml.safe_load(out.stdout)
+def test_gpu_smoke_config_runs_alone_on_the_one_gpu_config(tmp_path):
+    code, stdout, stderr = cli_in_process(["fit", "--config", str(ROOT / "configs" / "gpu_smoke.yaml"),
+                                           "--print_config"], tmp_path)
+    assert code == 0, stderr[-2000:]
+    cfg = yaml.safe_load(stdout)
     assert cfg["trainer"]["devices"] == 1 and cfg["model"]["gpt"]["ngram_rows"] == 21_150_720  # from speedrun_1gpu
     assert sum(s["steps"] for s in cfg["schedule"]["stages"]) == 24 and cfg["data"]["corpus"] == "quickstart"
 
@@ -160,10 +162,11 @@ def ckpt_step(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
 
 
-def test_an_abbreviated_option_is_rejected(tmp_path, toy_files, toy_config, run_cli):
+def test_an_abbreviated_option_is_rejected(tmp_path, toy_files, toy_config):
     cfg = toy_config(tmp_path, toy_files)
-    out = run_cli(["fit", "--config", str(cfg), "--trainer.max_step", "3", "--print_config"], tmp_path)
-    assert out.returncode != 0 and "--trainer.max_step" in out.stderr
+    code, _, stderr = cli_in_process(["fit", "--config", str(cfg), "--trainer.max_step", "3", "--print_config"],
+                                     tmp_path)
+    assert code != 0 and "--trainer.max_step" in stderr
 
 
 def test_help_lists_the_commands_that_work(tmp_path, run_cli):
@@ -195,9 +198,10 @@ def test_a_user_error_is_one_line_and_the_traceback_is_behind_debug(tmp_path, to
 
 def test_stage_field_override_from_the_command_line(tmp_path, toy_files, toy_config, run_cli):
     cfg = toy_config(tmp_path, toy_files)
-    out = run_cli(["fit", "--config", str(cfg), "--schedule.stages.0.candidates", "null", "--print_config"], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    stage = yaml.safe_load(out.stdout)["schedule"]["stages"][0]
+    code, stdout, stderr = cli_in_process(["fit", "--config", str(cfg), "--schedule.stages.0.candidates", "null",
+                                           "--print_config"], tmp_path)
+    assert code == 0, stderr[-2000:]
+    stage = yaml.safe_load(stdout)["schedule"]["stages"][0]
     assert stage["candidates"] is None and stage["steps"] == 6
     out = run_cli(["fit", "--config", str(cfg), "--schedule.stages.3.candidates", "null"], tmp_path)
     assert out.returncode == 1 and "the schedule has stages 0..0" in out.stderr

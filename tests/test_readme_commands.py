@@ -1,7 +1,8 @@
 """Every command the README and the configs' comments show, run as written (at tiny sizes).
 
 Training commands on the quickstart config run with a tiny overlay config appended (small model,
-two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--print_config``;
+two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--print_config``
+(in this process: a parse there costs no interpreter start-up);
 the FineWeb download is checked to accept its options; ``tensorboard --logdir logs`` is started
 and stopped. ``describe``, ``generate`` and ``plot`` run as written (on the runs the commands
 before them made); ``ablate`` on the quickstart config trains its runs with the tiny overlay
@@ -18,12 +19,12 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import cli_in_process
 from test_cli import LAUNCH_VARS, ROOT
 
 README = ROOT / "README.md"
@@ -110,9 +111,9 @@ def test_config_comment_switches_apply(workdir):
     _, switches = config_comment_commands()
     assert ("configs/speedrun.yaml", "--schedule.stages.2.candidates", "null") in switches
     for config, key, value in switches:
-        out = run([sys.executable, "main.py", "fit", "--config", config, key, value, "--print_config"], workdir)
-        assert out.returncode == 0, (config, key, value, out.stderr[-2000:])
-        node = yaml.safe_load(out.stdout)
+        code, stdout, stderr = cli_in_process(["fit", "--config", config, key, value, "--print_config"], workdir)
+        assert code == 0, (config, key, value, stderr[-2000:])
+        node = yaml.safe_load(stdout)
         for part in key[2:].split("."):
             node = node[int(part)] if isinstance(node, list) else node[part]
         assert node == yaml.safe_load(value), (config, key, node)
@@ -133,11 +134,10 @@ def check_ablation_configs(argv: list[str], cwd: Path) -> None:
     assert len(overlays) > 1
     for overlay in overlays:
         configs = ["--config", args.config] + ([] if overlay is None else ["--config", str(overlay)])
-        fit = [sys.executable, "main.py", "fit", *configs, "--trainer.max_steps", str(args.steps), *args.overrides,
-               "--print_config"]
-        out = run(fit, cwd)
-        assert out.returncode == 0, (overlay, out.stderr[-2000:])
-        assert yaml.safe_load(out.stdout)["trainer"]["max_steps"] == args.steps
+        fit = ["fit", *configs, "--trainer.max_steps", str(args.steps), *args.overrides, "--print_config"]
+        code, stdout, stderr = cli_in_process(fit, cwd)
+        assert code == 0, (overlay, stderr[-2000:])
+        assert yaml.safe_load(stdout)["trainer"]["max_steps"] == args.steps
 
 
 @pytest.mark.slow
@@ -152,14 +152,16 @@ def parse_only(argv: list[str]) -> bool:
 
 
 def check_parses(argv: list[str], cwd: Path) -> None:
+    """Parse-only commands run in this process (``python main.py ARGS`` is ``nanogpt_pl.cli.main(ARGS)``)."""
     if tool_of(argv) == "ablate":
         check_ablation_configs(argv, cwd)
         return
-    argv = argv if "--print_config" in argv else argv + ["--print_config"]
-    out = run(argv, cwd)
-    assert out.returncode == 0, (shlex.join(argv), out.stderr[-3000:])
-    assert "Traceback" not in out.stderr, (shlex.join(argv), out.stderr[-3000:])
-    yaml.safe_load(out.stdout)
+    assert argv[1] == "main.py", argv
+    args = argv[2:] if "--print_config" in argv else argv[2:] + ["--print_config"]
+    code, stdout, stderr = cli_in_process(args, cwd)
+    assert code == 0, (shlex.join(argv), stderr[-3000:])
+    assert "Traceback" not in stderr, (shlex.join(argv), stderr[-3000:])
+    yaml.safe_load(stdout)
 
 
 def test_every_readme_and_config_command_runs(workdir):
@@ -170,11 +172,11 @@ def test_every_readme_and_config_command_runs(workdir):
     # each distinct command once (a config's comment may repeat a README line)
     commands = list(dict.fromkeys(readme_commands() + config_comment_commands()[0]))
     ran = []
-    # the commands that need GPUs or FineWeb only parse: they run beside the others, two at a time
-    pool = ThreadPoolExecutor(max_workers=2)
-    parsing = {c: pool.submit(check_parses, argv_of(c), workdir) for c in commands if parse_only(argv_of(c))}
+    # the commands that need GPUs or FineWeb only parse (in this process, one after another)
     for command in commands:
-        if command in parsing:
+        if parse_only(argv_of(command)):
+            check_parses(argv_of(command), workdir)
+            ran.append(command)
             continue
         argv = argv_of(command)
         if argv[0] == "tensorboard":
@@ -220,10 +222,6 @@ def test_every_readme_and_config_command_runs(workdir):
         if "--print_config" in argv:
             yaml.safe_load(out.stdout)
         ran.append(command)
-    for command, check in parsing.items():
-        check.result()  # re-raises the command's assertion error
-        ran.append(command)
-    pool.shutdown()
     assert len(ran) == len(commands)
     # what the research tools wrote: the ablation table with its base row, and the plots
     table = (workdir / "ablations" / "quickstart" / "ablation.md").read_text()
