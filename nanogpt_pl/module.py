@@ -185,6 +185,11 @@ class StepSettings:
 torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup, Backends])
 
 
+# torch._dynamo's recompiles per frame with model.compile (its default of 8 is below the record
+# network's layer kinds times one stage's keys; see prepare_for_training)
+COMPILE_RECOMPILE_LIMIT = 64
+
+
 class SpeedrunModule(L.LightningModule):
     """The speedrun GPT trained with manual optimization.
 
@@ -280,6 +285,10 @@ class SpeedrunModule(L.LightningModule):
                 self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None
         if self.compile:
+            # Each layer kind (widths, paired heads, gates, value embedding) and each capture key's
+            # shapes is a recompile of the frames they share; at dynamo's default limit of 8 one
+            # stage of the record network already sent some attention frames back to eager.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
             # compiled in place: the module keeps its parameters, so state_dict keys stay the same
             self.model.compile(dynamic=False)
 
