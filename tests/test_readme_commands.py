@@ -172,13 +172,13 @@ def test_every_readme_and_config_command_runs(workdir):
     # each distinct command once (a config's comment may repeat a README line)
     commands = list(dict.fromkeys(readme_commands() + config_comment_commands()[0]))
     ran = []
-    # the commands that need GPUs or FineWeb only parse (in this process, one after another)
+    # the commands that need GPUs or FineWeb, and --print_config ones, only parse (in this process)
     for command in commands:
-        if parse_only(argv_of(command)):
-            check_parses(argv_of(command), workdir)
+        argv = argv_of(command)
+        if parse_only(argv) or (argv[1:2] == ["main.py"] and "--print_config" in argv):
+            check_parses(argv, workdir)
             ran.append(command)
             continue
-        argv = argv_of(command)
         if argv[0] == "tensorboard":
             log = workdir / "tensorboard.out"
             with open(log, "w") as out_file:
