@@ -13,7 +13,9 @@ config's schedule (its batch shape, windows and candidate count held fixed):
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
 (the Lightning overhead), plus peak memory. Unless ``--no-eager``, the plain loop also runs
-with ``model.cuda_graphs=false`` ("plain-eager"), and the table gives captured/eager.
+with ``model.cuda_graphs=false`` ("plain-eager"), and the table gives captured/eager. With
+graphs on it also says how many micro-batches of the timed steps were replayed, ran eagerly or
+were captured: a key first met there puts its capture on the clock (raise ``--warmup``).
 ``--against OVERLAY`` also runs the plain loop with a config overlay layered on top (e.g.
 ``configs/ablations/plain_network.yaml``, the network before the record's parts), in the
 same run, and gives config/overlay.
