@@ -481,18 +481,21 @@ def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path
     assert all(r.get("schedule/lr_mul") and r.get("lr/matrix") for r in rows if r.get("train/loss"))
 
 
-def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds(monkeypatch):
+def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     """At dynamo's default of 8 recompiles per frame, one stage of the record network on the H200
     sent attention frames back to eager (``hit config.recompile_limit (8)``, BENCHMARKS.md)."""
     import torch._dynamo
 
     from nanogpt_pl.module import COMPILE_RECOMPILE_LIMIT
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    module = make_module("cpu", False, every_technique_schedule(), every_technique_gpt(fp8_mlp=False, fp8_head=False,
-                                                                                       fp8_qkv=False), compile=True)
-    assert torch._dynamo.config.recompile_limit == COMPILE_RECOMPILE_LIMIT == 64
-    assert module.model._compiled_call_impl is not None  # compiled in place (nn.Module.compile)
-    plain = make_module("cpu", False, every_technique_schedule(), every_technique_gpt(fp8_mlp=False, fp8_head=False,
-                                                                                      fp8_qkv=False))
-    assert plain.model._compiled_call_impl is None
+    gpt = every_technique_gpt(fp8_mlp=False, fp8_head=False, fp8_qkv=False)
+    # config.patch restores the setting afterwards (pytest's monkeypatch would delete, i.e.
+    # hide, a torch config entry on undo)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)
+        assert torch._dynamo.config.recompile_limit == COMPILE_RECOMPILE_LIMIT == 64
+        assert module.model._compiled_call_impl is not None  # compiled in place (nn.Module.compile)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        plain = make_module("cpu", False, every_technique_schedule(), gpt)
+        assert plain.model._compiled_call_impl is None and torch._dynamo.config.recompile_limit == 8
+    assert torch._dynamo.config.recompile_limit == 8  # dynamo's default, as the other tests expect
