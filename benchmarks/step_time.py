@@ -223,8 +223,8 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         g = module._graphs.graphs
         checks = ", ".join(f"loss {c.loss_rel:.1e} grads {c.grad_rel:.1e}{'' if c.passed else ' FAILED'}"
                            for c in g.checks.values())
-        graphs = (f"{tag}: CUDA graphs: {len(g.captured_keys())} keys captured, {g.replays} micro-batches replayed, "
-                  f"{g.eager_runs} eager; self-checks (relative): {checks or 'none'}; keys differ in "
+        graphs = (f"{tag}: CUDA graphs: {after['keys']} keys captured, {after['replays']} micro-batches replayed, "
+                  f"{after['eager']} eager; self-checks (relative): {checks or 'none'}; keys differ in "
                   f"{g.key_differences() or 'nothing'}")
         timed = {k: after[k] - before[k] for k in after}
         # a key first seen or captured inside the timed steps puts its eager runs, capture and

@@ -71,6 +71,10 @@ def _toy_config(tmp: Path, files: tuple[str, str], **overrides) -> Path:
 
 # Rendezvous variables an earlier in-process Lightning run leaves in os.environ: a child CLI
 # that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+               "PL_SEED_WORKERS")
+
+
 def cli_in_process(args: list[str], cwd: Path | None = None) -> tuple[int, str, str]:
     """``python main.py *args`` run inside this process: (exit code, stdout, stderr).
 
@@ -92,10 +96,6 @@ def cli_in_process(args: list[str], cwd: Path | None = None) -> tuple[int, str, 
     finally:
         os.chdir(here)
     return code, out.getvalue(), err.getvalue()
-
-
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
-               "PL_SEED_WORKERS")
 
 
 def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None = 1) -> subprocess.CompletedProcess:

@@ -151,13 +151,23 @@ def parse_only(argv: list[str]) -> bool:
     return tool_of(argv) in (None, "ablate") and any(c in argv for c in GPU_CONFIGS)
 
 
+def cli_args(argv: list[str]) -> list[str] | None:
+    """The arguments ``nanogpt_pl.cli.main`` gets from ``python main.py ARGS`` or ``nanogpt-pl ARGS``."""
+    if argv[1:2] == ["main.py"]:
+        return argv[2:]
+    if argv[1:3] == ["-m", "nanogpt_pl.cli"]:
+        return argv[3:]
+    return None
+
+
 def check_parses(argv: list[str], cwd: Path) -> None:
-    """Parse-only commands run in this process (``python main.py ARGS`` is ``nanogpt_pl.cli.main(ARGS)``)."""
+    """Parse-only commands run in this process, through the CLI's ``main``."""
     if tool_of(argv) == "ablate":
         check_ablation_configs(argv, cwd)
         return
-    assert argv[1] == "main.py", argv
-    args = argv[2:] if "--print_config" in argv else argv[2:] + ["--print_config"]
+    args = cli_args(argv)
+    assert args is not None, argv
+    args = args if "--print_config" in args else args + ["--print_config"]
     code, stdout, stderr = cli_in_process(args, cwd)
     assert code == 0, (shlex.join(argv), stderr[-3000:])
     assert "Traceback" not in stderr, (shlex.join(argv), stderr[-3000:])
@@ -175,7 +185,7 @@ def test_every_readme_and_config_command_runs(workdir):
     # the commands that need GPUs or FineWeb, and --print_config ones, only parse (in this process)
     for command in commands:
         argv = argv_of(command)
-        if parse_only(argv) or (argv[1:2] == ["main.py"] and "--print_config" in argv):
+        if parse_only(argv) or "--print_config" in argv:
             check_parses(argv, workdir)
             ran.append(command)
             continue
@@ -214,13 +224,10 @@ def test_every_readme_and_config_command_runs(workdir):
             assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr[-3000:])
             ran.append(command)
             continue
-        if "--print_config" not in argv:
-            argv = argv + ["--config", str(resume if "--ckpt_path" in argv else tiny)]
+        argv = argv + ["--config", str(resume if "--ckpt_path" in argv else tiny)]
         out = run(argv, workdir)
         assert out.returncode == 0, (command, out.stderr[-3000:])
         assert "Traceback" not in out.stderr, (command, out.stderr[-3000:])
-        if "--print_config" in argv:
-            yaml.safe_load(out.stdout)
         ran.append(command)
     assert len(ran) == len(commands)
     # what the research tools wrote: the ablation table with its base row, and the plots
