@@ -2,7 +2,8 @@
 
 Both loops train the same model code, loss, optimizers and data stream on one device
 for ``--warmup`` untimed steps then ``--steps`` timed steps, at one stage of the
-config's schedule (its batch shape, windows and candidate count held fixed):
+config's schedule (its batch shape and windows, and its first candidate count, MTP weights and
+prefix weight, held):
 
 - **lightning**: ``Trainer.fit`` with the config's module and data module (loggers,
   checkpoints, validation and the config's callbacks off; the module applies the schedule);
@@ -22,7 +23,9 @@ same run, and gives config/overlay.
 
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
-and per step the GPU's busy time (the union of its kernels and copies) against the wall time.
+per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
+GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
+kernels, unfused ATen elementwise kernels by operation, copies).
 
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
@@ -104,6 +107,14 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     st = dict(stages[stage])
     st["steps"] = steps
     st["extension"] = False
+    # One configuration key for every timed step: the stage's first MTP weights, prefix weight and
+    # candidate count held (stretched over these few steps, a weight reaching zero or the next
+    # value of a list would give the last steps a new key, and a capture on the clock, that the
+    # real stage meets once).
+    st["mtp_end"] = None
+    for name in ("prefix_weight", "candidates"):
+        if isinstance(st.get(name), list):
+            st[name] = st[name][0]
     args = ["--config", config, *(["--config", overlay] if overlay else []),
             "--schedule.stages", json.dumps([st]),
             "--schedule.warmup_steps", "0", "--schedule.cooldown_frac", "0.0",
@@ -136,6 +147,69 @@ def gpu_busy_seconds(prof: Any) -> float:
     if cur_end is not None:
         busy += cur_end - cur_start
     return busy * 1e-6  # the profiler's times are in microseconds
+
+
+# Kernel kinds of a profile, first match wins (names as the CUDA profiler reports them).
+_ATTENTION = ("flash", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_delta_kernel", "attention")
+_PROJECT_TRITON = ("_softcap_ce", "quantize", "_transpose_bytes", "_fp8_gemm", "_refresh", "_gram_kernel",
+                   "_poly_square", "_matmul_add")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of one GPU kernel or copy, for the profile's breakdown."""
+    if name.startswith("Memcpy") or name.startswith("Memset") or name.startswith("memcpy"):
+        return "copies and memsets"
+    if any(k in name for k in _ATTENTION):  # before GEMMs: flash kernels name cutlass types
+        return "attention"
+    if "nvjet" in name or "gemm" in name.lower() or "cutlass" in name or "cublas" in name:
+        return "GEMM (cuBLAS)"
+    if name.startswith("triton_"):
+        return "inductor (torch.compile) kernels"
+    if any(k in name for k in _PROJECT_TRITON):
+        return "project Triton (FP8, loss, optimizer)"
+    if "elementwise_kernel" in name:
+        return "ATen elementwise (unfused)"
+    return "other"
+
+
+def aten_functor(name: str) -> Optional[str]:
+    """For an unfused ATen elementwise kernel, the operation it runs (add, fill, copy, mul, ...)."""
+    if "elementwise_kernel" not in name:
+        return None
+    for pattern, op in (("FillFunctor", "fill"), ("CUDAFunctor_add", "add"), ("CUDAFunctorOnSelf_add", "add"),
+                        ("copy_kernel", "copy"), ("MulFunctor", "mul"), ("DivFunctor", "div"),
+                        ("where_kernel", "where"), ("pow_tensor", "pow"), ("lerp", "lerp"), ("addcmul", "addcmul")):
+        if pattern in name:
+            return op
+    return "other"
+
+
+def gpu_time_by_kind(kernels: list[tuple[str, float]]) -> tuple[dict[str, float], dict[str, tuple[int, float]]]:
+    """GPU time (the durations' unit) by :func:`kernel_kind`, largest first, and the unfused ATen
+    elementwise kernels' (launches, time) by operation."""
+    kinds: dict[str, float] = {}
+    ops: dict[str, tuple[int, float]] = {}
+    for name, dur in kernels:
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + dur
+        op = aten_functor(name)
+        if op is not None:
+            n, t = ops.get(op, (0, 0.0))
+            ops[op] = (n + 1, t + dur)
+    return (dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            dict(sorted(ops.items(), key=lambda kv: -kv[1][1])))
+
+
+def print_gpu_breakdown(prof: Any, steps: int, tag: str) -> None:
+    kernels = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kinds, ops = gpu_time_by_kind(kernels)
+    total = sum(kinds.values()) or 1.0
+    print(f"{tag}: GPU time by kind, ms per step: " + ", ".join(
+        f"{k} {v / 1e3 / steps:.1f} ({100 * v / total:.0f}%)" for k, v in kinds.items()), file=sys.stderr)
+    if ops:
+        print(f"{tag}: unfused ATen elementwise by operation, per step: " + ", ".join(
+            f"{k} {n / steps:.0f} launches {t / 1e3 / steps:.1f} ms" for k, (n, t) in ops.items()), file=sys.stderr)
 
 
 def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
@@ -213,6 +287,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             busy = gpu_busy_seconds(prof)
             print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
                   f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle)", file=sys.stderr)
+            print_gpu_breakdown(prof, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)
@@ -299,6 +374,11 @@ def main() -> None:
             print(proc.stdout[-3000:], proc.stderr[-5000:])
             sys.exit(f"the {mode} loop failed (exit {proc.returncode})")
         results[mode] = json.loads(lines[-1][len("RESULT "):])
+        # each loop's figure as soon as it is in: a run cut short (a time limit) keeps what it measured
+        r = results[mode]
+        graphs = f"; {r['graphs']}" if r.get("graphs") else ""
+        print(f"{mode}: {1e3 * r['seconds'] / a.steps:.1f} ms/step, "
+              f"{stage['batch_tokens'] * a.steps / r['seconds']:,.0f} tokens/s{graphs}", flush=True)
     tokens = stage["batch_tokens"]  # one device holds the whole global batch
     flops_tok = next(iter(results.values()))["flops_tok"]
     print(f"\nstep_time: {a.config} stage {a.stage} ({tokens} tokens/step, seq_len {stage['seq_len']}, "

@@ -1,0 +1,87 @@
+"""benchmarks/step_time.py: one configuration key per timed stage, and the profile's kernel breakdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from nanogpt_pl.capture import schedule_key
+from nanogpt_pl.schedule import Schedule, Stage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _step_time():
+    spec = importlib.util.spec_from_file_location("step_time_bench", ROOT / "benchmarks" / "step_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_every_step_of_a_timed_stage_has_one_key(stage):
+    args, st = _step_time()._args_for(str(ROOT / "configs" / "speedrun_1gpu.yaml"), stage, 10, True, [])
+    stages = json.loads(args[args.index("--schedule.stages") + 1])
+    assert stages == [st]
+    schedule = Schedule(stages=[Stage(**st)], warmup_steps=0, cooldown_frac=0.0, untie_step=None)
+    keys = {schedule_key(schedule, s) for s in range(10)}
+    assert len(keys) == 1, keys
+
+
+def test_the_held_weights_are_the_stages_first_ones():
+    mod = _step_time()
+    config = str(ROOT / "configs" / "speedrun_1gpu.yaml")
+    _, st0 = mod._args_for(config, 0, 10, True, [])
+    _, st1 = mod._args_for(config, 1, 10, True, [])
+    _, st2 = mod._args_for(config, 2, 10, True, [])
+    # RECORD §9 / §6: stage 0 starts with MTP weights [1, 0.5, 0.25] and prefix weight 0.25;
+    # stage 1 with [1, 0.5] and the first of its prefix weights, 0.20; stage 2 with 14,336 candidates
+    s0, s1, s2 = (Schedule(stages=[Stage(**st)], cooldown_frac=0.0, untie_step=None) for st in (st0, st1, st2))
+    assert s0.mtp_weights(9) == [1.0, 0.5, 0.25] and s0.prefix_weight(9) == 0.25
+    assert s1.mtp_weights(9) == [1.0, 0.5] and s1.prefix_weight(9) == 0.20
+    assert s2.candidates(9) == 14336
+
+
+# Kernel names as the CUDA profiler reported them on the H200 (a stage-1 trace of step_time.py)
+FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+        "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)")
+ADD = ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+       "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)")
+COPY = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+        "::{lambda()#3}::operator()() const::{lambda()#4}::operator()() const::{lambda(long)#1}, "
+        "std::array<char*, 2ul>")
+FLASH = ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, false, "
+         "false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> > >"
+         "(pytorch_flash::Flash_bwd_params)")
+WMMA = ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_32x1_tn_align2>"
+        "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_32x1_tn_align2::Params)")
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", "GEMM (cuBLAS)"),
+    (WMMA, "GEMM (cuBLAS)"),
+    (FLASH, "attention"),
+    ("_dkdv_kernel", "attention"),
+    ("triton_per_fused__fused_rms_norm__to_copy_add_cat_mul_sigmoid_slice_2", "inductor (torch.compile) kernels"),
+    ("_quantize_dual_kernel", "project Triton (FP8, loss, optimizer)"),
+    ("_softcap_ce_rows_kernel", "project Triton (FP8, loss, optimizer)"),
+    (FILL, "ATen elementwise (unfused)"),
+    ("Memcpy DtoD (Device -> Device)", "copies and memsets"),
+    ("Memset (Device)", "copies and memsets"),
+    ("void at::native::(anonymous namespace)::compute_grad_weight<float, long>(long const*, float const*)", "other"),
+])
+def test_kernel_kinds_of_real_kernel_names(name, kind):
+    assert _step_time().kernel_kind(name) == kind
+
+
+def test_breakdown_sums_by_kind_and_names_the_elementwise_operations():
+    mod = _step_time()
+    kinds, ops = mod.gpu_time_by_kind([(FILL, 2.0), (ADD, 5.0), (ADD, 1.0), (COPY, 0.5), ("_dq_kernel", 9.0),
+                                       ("triton_poi_fused_add_mul_0", 3.0)])
+    assert list(kinds) == ["attention", "ATen elementwise (unfused)", "inductor (torch.compile) kernels"]
+    assert kinds["ATen elementwise (unfused)"] == 8.5 and kinds["attention"] == 9.0
+    assert list(ops) == ["add", "fill", "copy"]
+    assert ops["add"] == (2, 6.0) and ops["fill"] == (1, 2.0) and ops["copy"] == (1, 0.5)
