@@ -199,7 +199,10 @@ class SpeedrunModule(L.LightningModule):
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
         backends: the implementation of each numerical part (attention, FP8, loss, ANVIL's polar
             cascade), all in one section (``nanogpt_pl.backends.Backends``).
-        compile: compile the model's forward with ``torch.compile``.
+        compile: compile the model's forward with ``torch.compile``: one graph, the FP8 layers inside it
+            as custom operators (their weight caches refreshed eagerly before each forward).
+        fp8_graph_breaks: with ``compile``, end the compiled graph at every FP8 layer instead (the layers
+            run eagerly between compiled pieces, as before the custom operators), for comparison.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
         cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
@@ -216,6 +219,7 @@ class SpeedrunModule(L.LightningModule):
         compile: bool = False,
         param_dtype: str = "auto",
         cuda_graphs: bool = False,
+        fp8_graph_breaks: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -225,6 +229,7 @@ class SpeedrunModule(L.LightningModule):
         self.schedule = schedule if schedule is not None else Schedule()
         self.backends = backends
         self.compile = compile
+        self.fp8_graph_breaks = fp8_graph_breaks
         check_backend(backends.loss)
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
@@ -289,6 +294,9 @@ class SpeedrunModule(L.LightningModule):
             # shapes is a recompile of the frames they share; at dynamo's default limit of 8 one
             # stage of the record network already sent some attention frames back to eager.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
+            for m in self.model.modules():
+                if hasattr(m, "graph_break"):  # the FP8 layer states (nanogpt_pl.ops.fp8)
+                    m.graph_break = self.fp8_graph_breaks
             # compiled in place: the module keeps its parameters, so state_dict keys stay the same
             self.model.compile(dynamic=False)
 
@@ -500,6 +508,8 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
+        if self.compile:  # the compiled forward reads the FP8 weight caches without checking them
+            self.model.refresh_fp8()
         hidden = self.model(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
                                **(sparse or {}))
         s = self.settings

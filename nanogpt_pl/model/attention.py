@@ -375,6 +375,18 @@ class CausalSelfAttention(nn.Module):
             scale = {} if s.fp8_qkv_x_scale is None else {"x_scale": s.fp8_qkv_x_scale}
             self.fp8_state = Fp8LinearState(backend=s.fp8_backend, **scale)
 
+    def _fp8_blocks(self) -> tuple[Tensor, ...]:
+        # row blocks that are views of the parameters, so the FP8 cache follows their versions
+        s = self.spec
+        return (*live_row_blocks(self.qk_w[0], s.num_heads, s.d_qk),
+                *live_row_blocks(self.qk_w[1], s.num_heads, s.d_qk),
+                *live_row_blocks(self.v_w, s.num_heads, s.d_v))
+
+    def refresh_fp8(self) -> None:
+        """Refresh the FP8 QKV weight cache if the weights changed (eager; before a compiled forward)."""
+        if self.spec.fp8_qkv and self.training:
+            self.fp8_state.refresh(self._fp8_blocks())
+
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, n = self.spec, x.shape[0]
         parts = (live_rows(self.qk_w[0], s.num_heads, s.d_qk), live_rows(self.qk_w[1], s.num_heads, s.d_qk),
@@ -382,11 +394,7 @@ class CausalSelfAttention(nn.Module):
         if s.fp8_qkv and self.training:
             from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
 
-            # row blocks that are views of the parameters, so the FP8 cache follows their versions
-            blocks = (*live_row_blocks(self.qk_w[0], s.num_heads, s.d_qk),
-                      *live_row_blocks(self.qk_w[1], s.num_heads, s.d_qk),
-                      *live_row_blocks(self.v_w, s.num_heads, s.d_v))
-            qkv = fp8_linear(x, blocks, self.fp8_state)
+            qkv = fp8_linear(x, self._fp8_blocks(), self.fp8_state)
         else:
             qkv = x @ torch.cat(parts).type_as(x).t()
         qkv = qkv * self.lambdas[0].type_as(qkv)  # λ₀ folded after the GEMM: the same product

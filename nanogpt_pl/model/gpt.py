@@ -577,6 +577,13 @@ class GPT(nn.Module):
         normed = rms_norm(x)
         return m(MIX_RESID_MLP) * x + m(MIX_POST_MLP) * block.mlp_out(normed), normed
 
+    def refresh_fp8(self) -> None:
+        """Refresh every FP8 layer's weight caches whose weights changed: the check a compiled forward
+        cannot run (it reads the caches as they are). An eager forward checks by itself."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "refresh_fp8"):
+                m.refresh_fp8()
+
     # -- parameter roles (structure only; optimizer settings live in nanogpt_pl.optim.groups) ---
     def matrix_params(self) -> list[nn.Parameter]:
         """The hidden matrices (attention and MLP projections)."""

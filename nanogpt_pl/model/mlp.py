@@ -33,6 +33,11 @@ class MLP(nn.Module):
 
             self.fp8_state = Fp8MLPState(backend=fp8_backend)
 
+    def refresh_fp8(self) -> None:
+        """Refresh the FP8 weight caches if the weights changed (eager; before a compiled forward)."""
+        if self.fp8 and self.training:
+            self.fp8_state.refresh(self.fc_w, self.proj_w)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 and self.training:
             from ..ops.fp8 import fp8_mlp  # FP8 (and Triton) load only when used

@@ -131,6 +131,8 @@ class Fp8State(nn.Module):
         self._warned_recomputed = False
         self._hold = False  # see hold_cache_addresses
         self._last_call: Optional[tuple] = None  # (WeightRecipes, kernels) of the last refresh, for refresh_cache
+        # under torch.compile: run the layer outside the graph (a graph break) instead of as a custom op
+        self.graph_break = False
 
     def invalidate(self) -> None:
         """Force the weight cache (and the delayed scales) to refresh at the next call."""

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import check_aligned, round_up
+from .backends import check_aligned
 from .cache import Fp8State, WeightCache, keep_addresses, keys_match, scalar_buffer, weight_key
 from .formats import (
-    E4M3,
     E4M3_MAX,
     GRAD_DTYPES,
     HEAD_GRAD_SCALE,
@@ -22,6 +21,7 @@ from .formats import (
     RECORD_QKV_X_SCALE,
     WEIGHT_AMAX_FLOOR,
 )
+from .ops import fp8_linear_op, kernel_id
 
 
 class Fp8LinearState(Fp8State):
@@ -58,6 +58,22 @@ class Fp8LinearState(Fp8State):
         for name in ("x", "w", "grad"):
             self.register_buffer(f"_{name}_inv", scalar_buffer(1.0), persistent=False)
         self._cache: Optional[WeightCache] = None
+        self._kern_id = -1  # the backend's index in ops._KERNELS, set at each refresh
+
+    def refresh(self, parts: Sequence[Tensor]) -> WeightCache:
+        """The weight cache of ``parts`` (row blocks stacked along ``out``), refreshed if stale (eager)."""
+        kern = self._kernels(parts[0].device)
+        check_aligned(kern, self.config_key, parts[0].shape[1], sum(p.shape[0] for p in parts))
+        return self.cache_for(parts, kern)
+
+    def current_cache(self) -> WeightCache:
+        """The weight cache as the last refresh left it (inside a compiled forward, which cannot run
+        the staleness check)."""
+        if self._cache is None:
+            raise RuntimeError(f"{self.config_key}: the FP8 linear ran inside torch.compile before its weight cache "
+                               "was built; call the model's refresh_fp8() (or state.cache_for) before the "
+                               "compiled forward")
+        return self._cache
 
     @classmethod
     def for_lm_head(cls, backend: str = "auto", config_key: str = "model.gpt.fp8_head") -> "Fp8LinearState":
@@ -75,6 +91,7 @@ class Fp8LinearState(Fp8State):
     def cache_for(self, parts: Sequence[Tensor], kern: Any) -> WeightCache:
         """The FP8 copies of the row-stacked ``parts``; rebuilt only when a part changed."""
         key = tuple(weight_key(p) for p in parts)
+        self._kern_id = kernel_id(kern)
         if self._cache is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
             return self._cache
         self._before_refresh(tuple(parts), kern)
@@ -102,43 +119,6 @@ class Fp8LinearState(Fp8State):
         return [] if self._cache is None else [self._cache.row, self._cache.col]
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, state: Fp8LinearState, kern: Any, cache: WeightCache, *parts: Tensor) -> Tensor:
-        n = x.shape[0]
-        rows = round_up(n, kern.row_align)
-        need_wgrad = any(ctx.needs_input_grad[4:])
-        with torch.autocast(x.device.type, enabled=False):
-            xq, xt = kern.quant(x, state._x_inv, E4M3, rows, want_row=True, want_t=need_wgrad)
-            y = kern.mm(xq, cache.row, state.x_scale, state.w_scale, x.dtype, True)
-        ctx.state, ctx.kern, ctx.cache, ctx.xt, ctx.n = state, kern, cache, xt, n
-        ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
-        return y[:n] if rows != n else y
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        state, kern, cache, n = ctx.state, ctx.kern, ctx.cache, ctx.n
-        rows = round_up(n, kern.row_align)
-        need_x = ctx.needs_input_grad[0]
-        need_w = any(ctx.needs_input_grad[4:])
-        dx = None
-        dparts: list[Optional[Tensor]] = [None] * len(ctx.part_meta)
-        with torch.autocast(gy.device.type, enabled=False):
-            gq, gt = kern.quant(gy, state._grad_inv, state.grad_dtype, rows, want_row=need_x, want_t=need_w)
-            if need_x:
-                dx = kern.mm(gq, cache.col, state.grad_scale, state.w_scale, gy.dtype, False)
-                dx = dx[:n] if rows != n else dx
-            if need_w:
-                dw = kern.mm(gt, ctx.xt, state.grad_scale, state.x_scale, ctx.part_meta[0][1], False)
-                start = 0
-                for i, (size, dtype) in enumerate(ctx.part_meta):
-                    if ctx.needs_input_grad[4 + i]:
-                        dparts[i] = dw[start:start + size].to(dtype)
-                    start += size
-        ctx.xt = ctx.cache = None
-        return (dx, None, None, None, *dparts)
-
-
 def _as_parts(weight: Union[Tensor, Sequence[Tensor]]) -> tuple[Tensor, ...]:
     parts = (weight,) if isinstance(weight, Tensor) else tuple(weight)
     if not parts or any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
@@ -147,7 +127,6 @@ def _as_parts(weight: Union[Tensor, Sequence[Tensor]]) -> tuple[Tensor, ...]:
     return parts
 
 
-@torch.compiler.disable
 def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8LinearState) -> Tensor:
     """``x @ weightᵀ`` with e4m3 operands forward and the state's gradient format backward.
 
@@ -160,6 +139,10 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
 
     Returns:
         ``[..., out]`` in ``x.dtype``.
+
+    The matmuls run as the custom operator ``nanogpt_pl::fp8_linear`` (``ops.py``), which
+    ``torch.compile`` traces as one call. Inside a compiled region the weight cache is not
+    checked: refresh it eagerly first (``state.cache_for``; ``GPT.refresh_fp8`` does every layer's).
     """
     parts = _as_parts(weight)
     if x.shape[-1] != parts[0].shape[1]:
@@ -167,9 +150,14 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
     if not state.training:
         w = parts[0] if len(parts) == 1 else torch.cat(parts)
         return F.linear(x, w.to(x.dtype))
-    kern = state._kernels(x.device)
-    check_aligned(kern, state.config_key, x.shape[-1], sum(p.shape[0] for p in parts))
-    cache = state.cache_for(parts, kern)
+    if state.graph_break and torch.compiler.is_compiling():
+        return _fp8_linear_outside_graph(x, weight, state)
+    cache = state.current_cache() if torch.compiler.is_compiling() else state.refresh(parts)
     lead = x.shape[:-1]
-    y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), state, kern, cache, *parts)
+    y, _ = fp8_linear_op(x.reshape(-1, x.shape[-1]), list(parts), cache.row, cache.col, state.x_scale, state._x_inv,
+                         state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+# ``state.graph_break``: the same function, run by dynamo as a graph break (eagerly)
+_fp8_linear_outside_graph = torch.compiler.disable(fp8_linear)

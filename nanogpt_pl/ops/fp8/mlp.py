@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import check_aligned, round_up
+from .backends import check_aligned
 from .cache import Fp8State, WeightCache, fold_delayed, keep_addresses, keys_match, scalar_buffer, weight_key
 from .formats import (
     DPRE_HEADROOM,
     DPRE_SCALE_BOOTSTRAP,
     DPRE_SCALE_FLOOR,
-    E4M3,
     E4M3_MAX,
-    E5M2,
     E5M2_MAX,
     EXACT_WEIGHT_REFRESHES,
     MLP_GRAD_SCALE,
@@ -27,6 +26,7 @@ from .formats import (
     WEIGHT_AMAX_FLOOR,
     WEIGHT_LAG_HEADROOM,
 )
+from .ops import amax_probe, fp8_mlp_op, kernel_id
 
 RELU2_KERNELS = ("elementwise", "gemm_epilogue")
 # Which MLP kernel pair "auto" picks: set from benchmarks/fp8_mlp.py on an H200.
@@ -79,11 +79,34 @@ class Fp8MLPState(Fp8State):
             self.register_buffer(f"_{name}_inv", scalar_buffer(1.0), persistent=False)
         self._w1: Optional[WeightCache] = None
         self._w2: Optional[WeightCache] = None
+        self._kern_id = -1  # the backend's index in ops._KERNELS, set at each refresh
+        # max |dpre| leaves the backward as this leaf's gradient (ops.amax_probe), made at the first refresh
+        self._dpre_probe: Optional[Tensor] = None
+        self._probe_target: Optional[weakref.ref] = None
+
+    def refresh(self, w_fc: Tensor, w_proj: Tensor) -> tuple[WeightCache, WeightCache]:
+        """Both weights' caches, refreshed (with every delayed scale) if either is stale (eager)."""
+        kern = self._kernels(w_fc.device)
+        check_aligned(kern, self.config_key, *w_fc.shape)
+        return self.caches_for(w_fc, w_proj, kern)
+
+    def current_caches(self) -> tuple[WeightCache, WeightCache]:
+        """The weight caches as the last refresh left them (inside a compiled forward, which cannot
+        run the staleness check)."""
+        if self._w1 is None or self._dpre_probe is None:
+            raise RuntimeError(f"{self.config_key}: the FP8 MLP ran inside torch.compile before its weight cache "
+                               "was built; call the model's refresh_fp8() (or state.caches_for) before the "
+                               "compiled forward")
+        return self._w1, self._w2
 
     @torch.no_grad()
     def caches_for(self, w_fc: Tensor, w_proj: Tensor, kern: Any) -> tuple[WeightCache, WeightCache]:
         """FP8 copies of both weights, rebuilt (with every delayed scale) when either changed."""
         key = (weight_key(w_fc), weight_key(w_proj))
+        self._kern_id = kernel_id(kern)
+        if self._probe_target is None or self._probe_target() is not self.dpre_amax:
+            # (re)made when the buffer moved, or in a copy of this state (whose weakref is the original's)
+            self._dpre_probe, self._probe_target = amax_probe(self.dpre_amax), weakref.ref(self.dpre_amax)
         if self._w1 is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
             return self._w1, self._w2
         self._before_refresh((w_fc, w_proj), kern)
@@ -137,47 +160,6 @@ class Fp8MLPState(Fp8State):
                 for w, inv, amax in ((w_fc, self._w1_inv, self.w1_amax), (w_proj, self._w2_inv, self.w2_amax))]
 
 
-class _Fp8MLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState, kern: Any,
-                c1: WeightCache, c2: WeightCache) -> Tensor:
-        n = x.shape[0]
-        rows = round_up(n, kern.row_align)
-        fused = state.relu2_kernel == "gemm_epilogue"
-        with torch.autocast(x.device.type, enabled=False):
-            xq, xt = kern.quant(x, state._x_inv, E4M3, rows)
-            post, post_t = kern.up_relu2(xq, c1.row, state.x_scale, state.w1_scale, state._post_inv,
-                                         state.post_amax, fused)
-            y = kern.mm(post, c2.col, state.post_scale, state.w2_scale, x.dtype, True)
-        ctx.state, ctx.kern, ctx.c1, ctx.c2, ctx.n = state, kern, c1, c2, n
-        ctx.xt, ctx.post, ctx.post_t = xt, post, post_t
-        ctx.dtypes = (x.dtype, w_fc.dtype, w_proj.dtype)
-        return y[:n] if rows != n else y
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        state, kern, c1, c2, n = ctx.state, ctx.kern, ctx.c1, ctx.c2, ctx.n
-        x_dtype, w1_dtype, w2_dtype = ctx.dtypes
-        rows = round_up(n, kern.row_align)
-        fused = state.relu2_kernel == "gemm_epilogue"
-        dx = dw1 = dw2 = None
-        with torch.autocast(gy.device.type, enabled=False):
-            gq, gt = kern.quant(gy, state._grad_inv, E5M2, rows)
-            if ctx.needs_input_grad[2]:
-                dw2 = kern.mm(ctx.post_t, gt, state.post_scale, state.grad_scale, w2_dtype, False)
-            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-                dq, dqt = kern.dpre(gq, c2.row, state.grad_scale, state.w2_scale, ctx.post, state.post_scale,
-                                    state._dpre_inv, state.dpre_amax, fused)
-                if ctx.needs_input_grad[1]:
-                    dw1 = kern.mm(dqt, ctx.xt, state.dpre_scale, state.x_scale, w1_dtype, False)
-                if ctx.needs_input_grad[0]:
-                    dx = kern.mm(dq, c1.col, state.dpre_scale, state.w1_scale, x_dtype, False)
-                    dx = dx[:n] if rows != n else dx
-        ctx.xt = ctx.post = ctx.post_t = ctx.c1 = ctx.c2 = None
-        return dx, dw1, dw2, None, None, None, None
-
-
-@torch.compiler.disable
 def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tensor:
     """The ReLU² MLP ``relu(x @ w_fcᵀ)² @ w_proj`` in FP8 (RECORD §7).
 
@@ -191,6 +173,11 @@ def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tens
     Returns:
         ``[..., D]`` in ``x.dtype``. Backward gives ``dx``, ``dw_fc = dpreᵀx`` and
         ``dw_proj = postᵀg`` in the dtypes of ``x`` and the weights.
+
+    The matmuls run as the custom operator ``nanogpt_pl::fp8_mlp`` (``ops.py``), which
+    ``torch.compile`` traces as one call. Inside a compiled region the weight caches are not
+    checked: refresh them eagerly first (``state.caches_for``; ``GPT.refresh_fp8`` does every
+    layer's, and the training module calls it before each compiled forward).
     """
     if w_fc.dim() != 2 or w_fc.shape != w_proj.shape or x.shape[-1] != w_fc.shape[1]:
         raise ValueError(f"fp8_mlp: expected x [..., D] and w_fc, w_proj both [H, D]; got {tuple(x.shape)}, "
@@ -198,10 +185,19 @@ def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tens
     if not state.training:
         h = F.relu(x @ w_fc.to(x.dtype).t()).square()
         return h @ w_proj.to(x.dtype)
-    kern = state._kernels(x.device)
-    check_aligned(kern, state.config_key, *w_fc.shape)
-    c1, c2 = state.caches_for(w_fc, w_proj, kern)
+    if state.graph_break and torch.compiler.is_compiling():
+        return _fp8_mlp_outside_graph(x, w_fc, w_proj, state)
+    c1, c2 = state.current_caches() if torch.compiler.is_compiling() else state.refresh(w_fc, w_proj)
     lead = x.shape[:-1]
-    y = _Fp8MLPFunction.apply(x.reshape(-1, x.shape[-1]), w_fc, w_proj, state, kern, c1, c2)
+    y, _, _, _, post_amax = fp8_mlp_op(
+        x.reshape(-1, x.shape[-1]), w_fc, w_proj, state._dpre_probe, c1.row, c1.col, c2.row, c2.col,
+        state.x_scale, state._x_inv, state.w1_scale, state.w2_scale, state.post_scale, state._post_inv,
+        state.grad_scale, state._grad_inv, state.dpre_scale, state._dpre_inv, state._kern_id,
+        state.relu2_kernel == "gemm_epilogue")
+    with torch.no_grad():
+        state.post_amax.copy_(torch.maximum(state.post_amax, post_amax))
     return y.reshape(*lead, y.shape[-1])
 
+
+# ``state.graph_break``: the same function, run by dynamo as a graph break (eagerly)
+_fp8_mlp_outside_graph = torch.compiler.disable(fp8_mlp)

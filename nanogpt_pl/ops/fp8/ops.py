@@ -1,0 +1,212 @@
+"""The FP8 linear and MLP as ``torch.library`` custom operators, forward and backward.
+
+``torch.compile`` traces a custom operator as one opaque call, so the model's forward compiles
+as one graph with the FP8 matmuls inside it (an ``autograd.Function`` holding the layer state
+had to be ``torch.compiler.disable``d: a graph break per layer, and the layer loop left eager).
+The operators are functional, as an autograd formula requires:
+
+- the forward returns the running maximum it measured (``post`` of the MLP) as an output; the
+  caller folds it into the state's buffer;
+- the backward's maximum (``dpre`` of the MLP) cannot be an output of the forward, so it leaves
+  as the gradient of a scalar "probe" leaf the forward takes: the probe's post-accumulate hook
+  folds it into the state's ``dpre_amax`` and clears the gradient (:func:`amax_probe`).
+
+The weight caches and scales are inputs, refreshed eagerly before the forward (``caches_for``).
+Which backend runs (reference, the fast path, or a test's stand-in) is an integer index into
+:data:`_KERNELS`, a constant of the traced graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .backends import round_up
+from .formats import E4M3, E5M2
+
+_KERNELS: list[Any] = []
+
+
+def kernel_id(kern: Any) -> int:
+    """The index of a backend object (``_REFERENCE``, ``_FAST``, a test's stand-in) in :data:`_KERNELS`."""
+    for i, k in enumerate(_KERNELS):
+        if k is kern:
+            return i
+    _KERNELS.append(kern)
+    return len(_KERNELS) - 1
+
+
+def _own(t: Tensor, *others: Tensor) -> Tensor:
+    """``t`` as a contiguous tensor sharing no memory with ``others`` (operator outputs may not alias)."""
+    t = t.contiguous()
+    if any(t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others):
+        t = t.clone()
+    return t
+
+
+def _fp8_t(rows: int, cols: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty((rows, cols), dtype=dtype)
+
+
+# -- probes: a backward's running maximum, out through a gradient ---------------------------------
+def _fold_probe(target: "weakref.ref[Tensor]", probe: Tensor) -> None:
+    buf = target()
+    if buf is not None and probe.grad is not None:
+        with torch.no_grad():
+            buf.copy_(torch.maximum(buf, probe.grad))
+    probe.grad = None
+
+
+def amax_probe(buffer: Tensor) -> Tensor:
+    """A scalar leaf whose gradient, at each accumulation, is max-folded into ``buffer`` and dropped."""
+    probe = torch.zeros((), dtype=torch.float32, device=buffer.device, requires_grad=True)
+    probe.register_post_accumulate_grad_hook(lambda p, t=weakref.ref(buffer): _fold_probe(t, p))
+    return probe
+
+
+# -- linear: y = x @ Wᵀ ---------------------------------------------------------------------------
+@torch.library.custom_op("nanogpt_pl::fp8_linear", mutates_args=())
+def fp8_linear_op(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
+                  w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
+                  grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(y [n, out] in x's dtype, xᵀ [in, rows] e4m3)``; ``parts`` (the weight's row blocks) only
+    receive the gradient, the GEMM reads the cache ``w_row``."""
+    k = _KERNELS[kern]
+    n = x.shape[0]
+    rows = round_up(n, k.row_align)
+    with torch.autocast(x.device.type, enabled=False):
+        xq, xt = k.quant(x, x_inv, E4M3, rows, want_row=True, want_t=True)
+        y = k.mm(xq, w_row, x_scale, w_scale, x.dtype, True)
+    y = _own(y[:n] if rows != n else y)
+    return y, _own(xt, y)
+
+
+@fp8_linear_op.register_fake
+def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype):
+    rows = round_up(x.shape[0], _KERNELS[kern].row_align)
+    return x.new_empty((x.shape[0], w_row.shape[0])), _fp8_t(x.shape[1], rows, x, E4M3)
+
+
+@torch.library.custom_op("nanogpt_pl::fp8_linear_backward", mutates_args=())
+def fp8_linear_backward(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, w_scale: Tensor,
+                        grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
+                        w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx [n, in] in gy's dtype, dW [out, in] in w_dtype)``."""
+    k = _KERNELS[kern]
+    n = gy.shape[0]
+    rows = round_up(n, k.row_align)
+    with torch.autocast(gy.device.type, enabled=False):
+        gq, gt = k.quant(gy, grad_inv, grad_dtype, rows, want_row=True, want_t=True)
+        dx = k.mm(gq, w_col, grad_scale, w_scale, gy.dtype, False)
+        dw = k.mm(gt, xt, grad_scale, x_scale, w_dtype, False)
+    dx = _own(dx[:n] if rows != n else dx)
+    return dx, _own(dw, dx)
+
+
+@fp8_linear_backward.register_fake
+def _(gy, xt, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, w_dtype):
+    return gy.new_empty((gy.shape[0], w_col.shape[0])), gy.new_empty((w_col.shape[1], w_col.shape[0]), dtype=w_dtype)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype = inputs
+    ctx.save_for_backward(output[1], w_col, x_scale, w_scale, grad_scale, grad_inv)
+    ctx.kern, ctx.grad_dtype = kern, grad_dtype
+    ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
+
+
+def _linear_backward(ctx, gy: Tensor, gxt: Tensor):
+    xt, w_col, x_scale, w_scale, grad_scale, grad_inv = ctx.saved_tensors
+    dx, dw = fp8_linear_backward(gy.contiguous(), xt, w_col, x_scale, w_scale, grad_scale, grad_inv, ctx.kern,
+                                 ctx.grad_dtype, ctx.part_meta[0][1])
+    dparts, start = [], 0
+    for size, dtype in ctx.part_meta:
+        dparts.append(dw[start:start + size].to(dtype))
+        start += size
+    return dx, dparts, None, None, None, None, None, None, None, None, None
+
+
+fp8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# -- MLP: relu(x @ w_fcᵀ)² @ w_proj -------------------------------------------------------------------
+@torch.library.custom_op("nanogpt_pl::fp8_mlp", mutates_args=())
+def fp8_mlp_op(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_row: Tensor, c1_col: Tensor,
+               c2_row: Tensor, c2_col: Tensor, x_scale: Tensor, x_inv: Tensor, w1_scale: Tensor, w2_scale: Tensor,
+               post_scale: Tensor, post_inv: Tensor, grad_scale: Tensor, grad_inv: Tensor, dpre_scale: Tensor,
+               dpre_inv: Tensor, kern: int, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y [n, D], xᵀ [D, rows] e4m3, post [rows, H] e4m3, postᵀ [H, rows] e4m3, max(post) fp32)``.
+
+    ``w_fc``, ``w_proj`` and ``dpre_probe`` only receive gradients (the probe: max |dpre|)."""
+    k = _KERNELS[kern]
+    n = x.shape[0]
+    rows = round_up(n, k.row_align)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):
+        xq, xt = k.quant(x, x_inv, E4M3, rows)
+        post, post_t = k.up_relu2(xq, c1_row, x_scale, w1_scale, post_inv, amax, fused)
+        y = k.mm(post, c2_col, post_scale, w2_scale, x.dtype, True)
+    y = _own(y[:n] if rows != n else y)
+    xt = _own(xt, y)
+    post = _own(post, y, xt)
+    return y, xt, post, _own(post_t, y, xt, post), amax
+
+
+@fp8_mlp_op.register_fake
+def _(x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_inv, w1_scale, w2_scale,
+      post_scale, post_inv, grad_scale, grad_inv, dpre_scale, dpre_inv, kern, fused):
+    n, d = x.shape
+    h = c1_row.shape[0]
+    rows = round_up(n, _KERNELS[kern].row_align)
+    return (x.new_empty((n, c2_col.shape[0])), _fp8_t(d, rows, x, E4M3), _fp8_t(rows, h, x, E4M3),
+            _fp8_t(h, rows, x, E4M3), x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("nanogpt_pl::fp8_mlp_backward", mutates_args=())
+def fp8_mlp_backward(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_col: Tensor, c2_row: Tensor,
+                     x_scale: Tensor, w1_scale: Tensor, w2_scale: Tensor, post_scale: Tensor, grad_scale: Tensor,
+                     grad_inv: Tensor, dpre_scale: Tensor, dpre_inv: Tensor, kern: int, fused: bool,
+                     w1_dtype: torch.dtype, w2_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx [n, D], dW_fc [H, D], dW_proj [H, D], max |dpre| fp32)``."""
+    k = _KERNELS[kern]
+    n = gy.shape[0]
+    rows = round_up(n, k.row_align)
+    amax = torch.zeros((), dtype=torch.float32, device=gy.device)
+    with torch.autocast(gy.device.type, enabled=False):
+        gq, gt = k.quant(gy, grad_inv, E5M2, rows)
+        dw2 = k.mm(post_t, gt, post_scale, grad_scale, w2_dtype, False)
+        dq, dqt = k.dpre(gq, c2_row, grad_scale, w2_scale, post, post_scale, dpre_inv, amax, fused)
+        dw1 = k.mm(dqt, xt, dpre_scale, x_scale, w1_dtype, False)
+        dx = k.mm(dq, c1_col, dpre_scale, w1_scale, gy.dtype, False)
+    dx = _own(dx[:n] if rows != n else dx)
+    dw1 = _own(dw1, dx)
+    return dx, dw1, _own(dw2, dx, dw1), amax
+
+
+@fp8_mlp_backward.register_fake
+def _(gy, xt, post, post_t, c1_col, c2_row, x_scale, w1_scale, w2_scale, post_scale, grad_scale, grad_inv,
+      dpre_scale, dpre_inv, kern, fused, w1_dtype, w2_dtype):
+    h, d = c2_row.shape[0], xt.shape[0]
+    return (gy.new_empty((gy.shape[0], d)), gy.new_empty((h, d), dtype=w1_dtype),
+            gy.new_empty((h, d), dtype=w2_dtype), gy.new_empty((), dtype=torch.float32))
+
+
+def _mlp_setup(ctx, inputs, output) -> None:
+    (x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_inv, w1_scale, w2_scale,
+     post_scale, post_inv, grad_scale, grad_inv, dpre_scale, dpre_inv, kern, fused) = inputs
+    _, xt, post, post_t, _ = output
+    ctx.save_for_backward(xt, post, post_t, c1_col, c2_row, x_scale, w1_scale, w2_scale, post_scale, grad_scale,
+                          grad_inv, dpre_scale, dpre_inv)
+    ctx.kern, ctx.fused, ctx.w_dtypes = kern, fused, (w_fc.dtype, w_proj.dtype)
+
+
+def _mlp_backward(ctx, gy: Tensor, gxt, gpost, gpost_t, gamax):
+    saved = ctx.saved_tensors
+    dx, dw1, dw2, amax = fp8_mlp_backward(gy.contiguous(), *saved, ctx.kern, ctx.fused, *ctx.w_dtypes)
+    return (dx, dw1, dw2, amax) + (None,) * 16
+
+
+fp8_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
