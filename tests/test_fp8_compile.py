@@ -195,3 +195,17 @@ def test_fp8_graph_breaks_put_every_fp8_layer_outside_the_graph_with_the_same_nu
     for (name, p), q in zip(eager.named_parameters(), broken.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_probe_follows_the_buffer_when_the_state_moves():
+    """A device or dtype move replaces the buffers; the next refresh makes a probe for the new one."""
+    gen = torch.Generator().manual_seed(4)
+    state = Fp8MLPState(backend="reference")
+    w1, w2 = fc_init(64, 32, gen), fc_init(64, 32, gen)
+    fp8_mlp(normed(16, 32, gen), w1, w2, state).sum().backward()
+    old = state.dpre_amax
+    state._apply(lambda t: t.clone())  # what .to(device) does to every buffer
+    assert state.dpre_amax is not old
+    state.invalidate()
+    fp8_mlp(normed(16, 32, gen) * 2, w1, w2, state).sum().backward()
+    assert state.dpre_amax.item() > 0

@@ -104,10 +104,8 @@ class Fp8MLPState(Fp8State):
         """FP8 copies of both weights, rebuilt (with every delayed scale) when either changed."""
         key = (weight_key(w_fc), weight_key(w_proj))
         self._kern_id = kernel_id(kern)
-        if self._probe_target is None or self._probe_target() is not self.dpre_amax:
-            # (re)made when the buffer moved, or in a copy of this state (whose weakref is the original's)
-            self._dpre_probe, self._probe_target = amax_probe(self.dpre_amax), weakref.ref(self.dpre_amax)
         if self._w1 is not None and self._cache_kern == kern.name and keys_match(self._cache_key, key):
+            self._ensure_probe()
             return self._w1, self._w2
         self._before_refresh((w_fc, w_proj), kern)
         self._check_recomputed(w_fc)
@@ -140,7 +138,14 @@ class Fp8MLPState(Fp8State):
         self._w1, self._w2 = caches
         self._cache_key, self._cache_kern = key, kern.name
         self._refreshes += 1
+        self._ensure_probe()  # after _follow_device, which may have moved the buffers
         return self._w1, self._w2
+
+    def _ensure_probe(self) -> None:
+        """The dpre probe of ``dpre_amax`` as it is now: (re)made when the buffer moved (a device
+        move replaces it), or in a copy of this state (whose weakref still names the original's)."""
+        if self._probe_target is None or self._probe_target() is not self.dpre_amax:
+            self._dpre_probe, self._probe_target = amax_probe(self.dpre_amax), weakref.ref(self.dpre_amax)
 
     def _refresh_with(self, weights: tuple, kern: Any) -> None:
         self.caches_for(weights[0], weights[1], kern)
