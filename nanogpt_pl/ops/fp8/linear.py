@@ -71,7 +71,7 @@ class Fp8LinearState(Fp8State):
         the staleness check)."""
         if self._cache is None:
             raise RuntimeError(f"{self.config_key}: the FP8 linear ran inside torch.compile before its weight cache "
-                               "was built; call the model's refresh_fp8() (or state.cache_for) before the "
+                               "was built; call the model's refresh_fp8() (or state.refresh) before the "
                                "compiled forward")
         return self._cache
 
@@ -142,7 +142,7 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
 
     The matmuls run as the custom operator ``nanogpt_pl::fp8_linear`` (``ops.py``), which
     ``torch.compile`` traces as one call. Inside a compiled region the weight cache is not
-    checked: refresh it eagerly first (``state.cache_for``; ``GPT.refresh_fp8`` does every layer's).
+    checked: refresh it eagerly first (``state.refresh``; ``GPT.refresh_fp8`` does every layer's).
     """
     parts = _as_parts(weight)
     if x.shape[-1] != parts[0].shape[1]:

@@ -95,7 +95,7 @@ class Fp8MLPState(Fp8State):
         run the staleness check)."""
         if self._w1 is None or self._dpre_probe is None:
             raise RuntimeError(f"{self.config_key}: the FP8 MLP ran inside torch.compile before its weight cache "
-                               "was built; call the model's refresh_fp8() (or state.caches_for) before the "
+                               "was built; call the model's refresh_fp8() (or state.refresh) before the "
                                "compiled forward")
         return self._w1, self._w2
 
@@ -181,7 +181,7 @@ def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tens
 
     The matmuls run as the custom operator ``nanogpt_pl::fp8_mlp`` (``ops.py``), which
     ``torch.compile`` traces as one call. Inside a compiled region the weight caches are not
-    checked: refresh them eagerly first (``state.caches_for``; ``GPT.refresh_fp8`` does every
+    checked: refresh them eagerly first (``state.refresh``; ``GPT.refresh_fp8`` does every
     layer's, and the training module calls it before each compiled forward).
     """
     if w_fc.dim() != 2 or w_fc.shape != w_proj.shape or x.shape[-1] != w_fc.shape[1]:
