@@ -508,7 +508,9 @@ class SpeedrunModule(L.LightningModule):
         return batch
 
     def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
-        if self.compile:  # the compiled forward reads the FP8 weight caches without checking them
+        if self.compile and not self.fp8_graph_breaks:
+            # the compiled forward reads the FP8 weight caches without checking them (with the
+            # graph breaks the FP8 layers run eagerly and check their own)
             self.model.refresh_fp8()
         hidden = self.model(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
                                **(sparse or {}))

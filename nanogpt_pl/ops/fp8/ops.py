@@ -47,6 +47,17 @@ def _own(t: Tensor, *others: Tensor) -> Tensor:
     return t
 
 
+def _backend(kern: int, n: int) -> tuple[Any, int]:
+    """The backend of index ``kern`` and the row count ``n`` is padded to for its GEMMs."""
+    k = _KERNELS[kern]
+    return k, round_up(n, k.row_align)
+
+
+def _unpadded(t: Tensor, n: int) -> Tensor:
+    """The first ``n`` rows of a GEMM output computed on padded rows, as an operator output."""
+    return _own(t[:n] if t.shape[0] != n else t)
+
+
 def _fp8_t(rows: int, cols: int, like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty((rows, cols), dtype=dtype)
 
@@ -74,19 +85,18 @@ def fp8_linear_op(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, 
                   grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(y [n, out] in x's dtype, xᵀ [in, rows] e4m3)``; ``parts`` (the weight's row blocks) only
     receive the gradient, the GEMM reads the cache ``w_row``."""
-    k = _KERNELS[kern]
     n = x.shape[0]
-    rows = round_up(n, k.row_align)
+    k, rows = _backend(kern, n)
     with torch.autocast(x.device.type, enabled=False):
         xq, xt = k.quant(x, x_inv, E4M3, rows, want_row=True, want_t=True)
         y = k.mm(xq, w_row, x_scale, w_scale, x.dtype, True)
-    y = _own(y[:n] if rows != n else y)
+    y = _unpadded(y, n)
     return y, _own(xt, y)
 
 
 @fp8_linear_op.register_fake
 def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype):
-    rows = round_up(x.shape[0], _KERNELS[kern].row_align)
+    _, rows = _backend(kern, x.shape[0])
     return x.new_empty((x.shape[0], w_row.shape[0])), _fp8_t(x.shape[1], rows, x, E4M3)
 
 
@@ -95,14 +105,13 @@ def fp8_linear_backward(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, 
                         grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
                         w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(dx [n, in] in gy's dtype, dW [out, in] in w_dtype)``."""
-    k = _KERNELS[kern]
     n = gy.shape[0]
-    rows = round_up(n, k.row_align)
+    k, rows = _backend(kern, n)
     with torch.autocast(gy.device.type, enabled=False):
         gq, gt = k.quant(gy, grad_inv, grad_dtype, rows, want_row=True, want_t=True)
         dx = k.mm(gq, w_col, grad_scale, w_scale, gy.dtype, False)
         dw = k.mm(gt, xt, grad_scale, x_scale, w_dtype, False)
-    dx = _own(dx[:n] if rows != n else dx)
+    dx = _unpadded(dx, n)
     return dx, _own(dw, dx)
 
 
@@ -141,15 +150,14 @@ def fp8_mlp_op(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_r
     """``(y [n, D], xᵀ [D, rows] e4m3, post [rows, H] e4m3, postᵀ [H, rows] e4m3, max(post) fp32)``.
 
     ``w_fc``, ``w_proj`` and ``dpre_probe`` only receive gradients (the probe: max |dpre|)."""
-    k = _KERNELS[kern]
     n = x.shape[0]
-    rows = round_up(n, k.row_align)
+    k, rows = _backend(kern, n)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     with torch.autocast(x.device.type, enabled=False):
         xq, xt = k.quant(x, x_inv, E4M3, rows)
         post, post_t = k.up_relu2(xq, c1_row, x_scale, w1_scale, post_inv, amax, fused)
         y = k.mm(post, c2_col, post_scale, w2_scale, x.dtype, True)
-    y = _own(y[:n] if rows != n else y)
+    y = _unpadded(y, n)
     xt = _own(xt, y)
     post = _own(post, y, xt)
     return y, xt, post, _own(post_t, y, xt, post), amax
@@ -160,7 +168,7 @@ def _(x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_in
       post_scale, post_inv, grad_scale, grad_inv, dpre_scale, dpre_inv, kern, fused):
     n, d = x.shape
     h = c1_row.shape[0]
-    rows = round_up(n, _KERNELS[kern].row_align)
+    _, rows = _backend(kern, n)
     return (x.new_empty((n, c2_col.shape[0])), _fp8_t(d, rows, x, E4M3), _fp8_t(rows, h, x, E4M3),
             _fp8_t(h, rows, x, E4M3), x.new_empty((), dtype=torch.float32))
 
@@ -171,9 +179,8 @@ def fp8_mlp_backward(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_co
                      grad_inv: Tensor, dpre_scale: Tensor, dpre_inv: Tensor, kern: int, fused: bool,
                      w1_dtype: torch.dtype, w2_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [n, D], dW_fc [H, D], dW_proj [H, D], max |dpre| fp32)``."""
-    k = _KERNELS[kern]
     n = gy.shape[0]
-    rows = round_up(n, k.row_align)
+    k, rows = _backend(kern, n)
     amax = torch.zeros((), dtype=torch.float32, device=gy.device)
     with torch.autocast(gy.device.type, enabled=False):
         gq, gt = k.quant(gy, grad_inv, E5M2, rows)
@@ -181,7 +188,7 @@ def fp8_mlp_backward(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_co
         dq, dqt = k.dpre(gq, c2_row, grad_scale, w2_scale, post, post_scale, dpre_inv, amax, fused)
         dw1 = k.mm(dqt, xt, dpre_scale, x_scale, w1_dtype, False)
         dx = k.mm(dq, c1_col, dpre_scale, w1_scale, gy.dtype, False)
-    dx = _own(dx[:n] if rows != n else dx)
+    dx = _unpadded(dx, n)
     dw1 = _own(dw1, dx)
     return dx, dw1, _own(dw2, dx, dw1), amax
 
