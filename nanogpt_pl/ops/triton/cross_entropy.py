@@ -74,7 +74,8 @@ def _softcap_ce_rows_kernel(
     a_t = (l_t * logit_scale + SHIFT) * (1.0 / WIDTH)
     e_t = tl.exp(-tl.abs(a_t))
     r_t = 1.0 / (1.0 + e_t)
-    z_t = CAP * tl.where(a_t >= 0, r_t, e_t * r_t)
+    s_t = tl.where(a_t >= 0, r_t, e_t * r_t)
+    z_t = CAP * s_t
 
     # Pass 1: Σ exp(z − CAP). σ is formed from exp(−|a|) so it stays exact at both tails
     # and finite for any input, ±inf included.
@@ -99,6 +100,10 @@ def _softcap_ce_rows_kernel(
         # dz/dℓ = (CAP/WIDTH)·σ(1−σ); grad_scale folds in the 1/N of the mean and the
         # divisor of the gradient's storage format.
         coef = (CAP / WIDTH) * grad_scale
+        # Pass 2 writes the softmax part, coef·σ(1−σ)·S_w·p, to every column; the columns
+        # that are some term's target are rewritten after it (a handful per row, where a
+        # per-column match against every term would cost 3·TERMS operations per logit).
+        coef_sw = coef * s_w
         for start in range(0, P, BLOCK_P):
             c = start + cols
             m = c < P
@@ -108,12 +113,21 @@ def _softcap_ce_rows_kernel(
             r = 1.0 / (1.0 + e)
             s = tl.where(a >= 0, r, e * r)
             ds = e * r * r  # σ(1−σ) without the cancellation of 1 − σ near σ = 1
-            p = tl.exp(CAP * s - CAP) * inv_total
-            hit = tl.sum(tl.where(c[None, :] == tpos[:, None], tw_live[:, None], 0.0), axis=0)
-            g = coef * ds * (s_w * p - hit)
+            g = coef_sw * ds * (tl.exp(CAP * s - CAP) * inv_total)
             if CLAMP_GRAD:
                 g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
             tl.store(row_grad + c, g.to(row_grad.dtype.element_ty), mask=m)
+        # Target columns: the same formula with the weights of every term on that column
+        # subtracted. The barrier orders these stores after pass 2's stores of the same
+        # columns by other threads of the program.
+        tl.debug_barrier()
+        same = (tpos[:, None] == tpos[None, :]) & live[None, :]
+        hit_t = tl.sum(tl.where(same, tw_live[None, :], 0.0), axis=1)
+        p_t = tl.exp(CAP * s_t - CAP) * inv_total
+        g_t = coef * (e_t * r_t * r_t) * (s_w * p_t - hit_t)
+        if CLAMP_GRAD:
+            g_t = tl.minimum(tl.maximum(g_t, -grad_max), grad_max)
+        tl.store(row_grad + tl.where(live, tpos, 0), g_t.to(row_grad.dtype.element_ty), mask=live)
 
 
 def softcap_ce_rows(
