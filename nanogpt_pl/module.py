@@ -507,13 +507,22 @@ class SpeedrunModule(L.LightningModule):
             batch = self.prepare_batch(batch, self.global_step)
         return batch
 
+    def _forward(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
+                 sparse: dict[str, Any]) -> Tensor:
+        if self.compile:
+            # cu_seqlens is padded to a power of two that grows with the documents a micro-batch
+            # holds (nanogpt_pl.capture.pad_cu_seqlens): a dynamic length, or every new length
+            # recompiles the model (with the FP8 layers inside the graph, all of it)
+            torch._dynamo.mark_dynamic(cu_seqlens, 0)
+        return self.model(inputs, cu_seqlens, max_seqlen, windows, **sparse)
+
     def _micro_loss(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]] = None) -> Tensor:
         if self.compile and not self.fp8_graph_breaks:
             # the compiled forward reads the FP8 weight caches without checking them (with the
             # graph breaks the FP8 layers run eagerly and check their own)
             self.model.refresh_fp8()
-        hidden = self.model(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
-                               **(sparse or {}))
+        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
+                               sparse or {})
         s = self.settings
         head = self.model.fp8_head
         if head is not None:
@@ -650,8 +659,8 @@ class SpeedrunModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         sparse = self.sparse_channels.inputs(batch["inputs"], train=False) if self.sparse_channels else {}
-        hidden = self.model(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
-                            (self.schedule.val_window_short, self.schedule.val_window_long), **sparse)
+        hidden = self._forward(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
+                               (self.schedule.val_window_short, self.schedule.val_window_long), sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
         self.val_loss.update(loss, batch["targets"].numel())
         self.val_bpb.update_from_loss(hidden, self.model.lm_head, batch["targets"], loss)

@@ -481,6 +481,35 @@ def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path
     assert all(r.get("schedule/lr_mul") and r.get("lr/matrix") for r in rows if r.get("train/loss"))
 
 
+def test_model_compile_keeps_one_graph_as_the_padded_document_count_grows(one_thread):
+    """cu_seqlens is padded to a power of two that grows with a micro-batch's documents; with
+    ``model.compile`` each new length was a recompile of the whole model (the FP8 layers in the
+    graph). The module marks its length dynamic: one frame for three lengths, same losses."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
+        module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    # the module's own compile (nn.Module.compile, dynamic=False) through a counting backend
+    module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    module.apply_schedule(0)
+    mb = step_batch(module, 0, 3, 1, 512)[0]
+    base = mb["cu_seqlens"].numel()
+    losses = []
+    for extra in (0, base, 3 * base):
+        padded = dict(mb, cu_seqlens=pad_cu_seqlens(mb["cu_seqlens"], base + extra))
+        assert padded["cu_seqlens"].numel() >= base + extra
+        module.model.zero_grad(set_to_none=True)
+        loss = module._micro_loss(padded)
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()  # dynamo keeps per-code state (dynamic dimensions seen) for later compiles
+    assert counter.frame_count == 1
+    assert losses[1] == pytest.approx(losses[0].item(), rel=1e-6)
+    assert losses[2] == pytest.approx(losses[0].item(), rel=1e-6)
+
+
 def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     """At dynamo's default of 8 recompiles per frame, one stage of the record network on the H200
     sent attention frames back to eager (``hit config.recompile_limit (8)``, BENCHMARKS.md)."""
