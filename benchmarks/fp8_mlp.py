@@ -28,6 +28,7 @@ run that captures its step executes them).
 
     python benchmarks/fp8_mlp.py            # about a minute on an H200
     python benchmarks/fp8_mlp.py --quick    # fewer repetitions
+    python benchmarks/fp8_mlp.py --host     # host time of an eager FP8 layer call (any device)
 """
 
 from __future__ import annotations
@@ -379,6 +380,66 @@ def tile_sweep(n: int, warmup: int, iters: int) -> None:
                   f"{ms(lambda: quantize_dual(x, inv, dtype, block=block)):.3f} ms, t == row.T {same_t(t, row)}")
 
 
+def host_rows(iters: int) -> None:
+    """Host time of one eager FP8 MLP and one FP8 linear call (forward + backward), through the
+    ``torch.library`` operator (the dispatcher, as a compiled graph calls it) and through its eager
+    twin (``_EagerMLP`` / ``_EagerLinear``, what an eager layer calls), same run. A tiny shape, so
+    the kernels cost little next to the host; any device (the CPU runs the reference backend)."""
+    import time
+
+    from nanogpt_pl.ops.fp8 import Fp8LinearState
+    from nanogpt_pl.ops.fp8 import ops as fp8_ops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "auto" if device.type == "cuda" else "reference"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, d, h = (64, 64, 256) if device.type == "cuda" else (8, 16, 64)  # the CPU's reference GEMMs cost host time
+    x0 = F.rms_norm(torch.randn(n, d, device=device, generator=gen), (d,)).to(dtype)
+    w1 = (torch.randn(h, d, device=device, generator=gen) * 0.05).requires_grad_()
+    w2 = (torch.randn(h, d, device=device, generator=gen) * 0.05).requires_grad_()
+    wl = [(torch.randn(96, d, device=device, generator=gen) * 0.05).requires_grad_(),
+          (torch.randn(32, d, device=device, generator=gen) * 0.05).requires_grad_()]
+    mstate = Fp8MLPState(backend=backend).to(device)
+    lstate = Fp8LinearState(backend=backend).to(device)
+    c1, c2 = mstate.refresh(w1, w2)
+    margs = (w1, w2, mstate._dpre_probe, c1.row, c1.col, c2.row, c2.col, mstate.x_scale, mstate._x_inv,
+             mstate.w1_scale, mstate.w2_scale, mstate.post_scale, mstate._post_inv, mstate.grad_scale,
+             mstate._grad_inv, mstate.dpre_scale, mstate._dpre_inv, mstate._kern_id, False)
+    cache = lstate.refresh(wl)
+    lrest = (cache.row, cache.col, lstate.x_scale, lstate._x_inv, lstate.w_scale, lstate.grad_scale,
+             lstate._grad_inv, lstate._kern_id, lstate.grad_dtype)
+    calls = {
+        ("MLP", "operator"): lambda x: fp8_ops.fp8_mlp_op(x, *margs)[0],
+        ("MLP", "eager twin"): lambda x: fp8_ops._EagerMLP.apply(x, *margs)[0],
+        ("linear", "operator"): lambda x: fp8_ops.fp8_linear_op(x, wl, *lrest)[0],
+        ("linear", "eager twin"): lambda x: fp8_ops._EagerLinear.apply(x, *lrest, *wl)[0],
+    }
+    results = {}
+    for (layer, path), call in calls.items():
+        def step():
+            x = x0.detach().clone().requires_grad_()
+            call(x).float().sum().backward()
+        for _ in range(20):
+            step()
+        times = []
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) / iters * 1e6)
+        results[(layer, path)] = statistics.median(times)
+    print(f"host time per eager FP8 call, forward + backward, {n} x {d} (hidden {h}), {device.type}, "
+          f"{backend} backend; median of 5 x {iters} calls")
+    for layer in ("MLP", "linear"):
+        op, twin = results[(layer, "operator")], results[(layer, "eager twin")]
+        print(f"  {layer:<7} operator {op:7.0f} us   eager twin {twin:7.0f} us   operator/twin {op / twin:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -390,7 +451,12 @@ def main() -> None:
                     help="also time the MLP rows as CUDA-graph replays (GPU time without the host's share)")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only time the FP8 elementwise passes at several tile shapes (and check their transposes)")
+    ap.add_argument("--host", action="store_true",
+                    help="only the host time of an eager FP8 layer call: operator vs eager twin (any device)")
     args = ap.parse_args()
+    if args.host:
+        host_rows(50 if args.quick else 200)
+        return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fp8_mlp.py needs a CUDA GPU (FP8 GEMMs: compute capability >= 8.9)")
     if args.tokens % HEAD_CHUNK:

@@ -487,6 +487,7 @@ def test_model_compile_keeps_one_graph_as_the_padded_document_count_grows(one_th
     graph). The module marks its length dynamic: one frame for three lengths, same losses."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    torch._dynamo.reset()  # no compiled code or per-code state from earlier tests
     gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
     with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
         module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)

@@ -21,7 +21,7 @@ from .formats import (
     RECORD_QKV_X_SCALE,
     WEIGHT_AMAX_FLOOR,
 )
-from .ops import fp8_linear_op, kernel_id
+from .ops import fp8_linear_call, kernel_id
 
 
 class Fp8LinearState(Fp8State):
@@ -154,8 +154,8 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
         return _fp8_linear_outside_graph(x, weight, state)
     cache = state.current_cache() if torch.compiler.is_compiling() else state.refresh(parts)
     lead = x.shape[:-1]
-    y, _ = fp8_linear_op(x.reshape(-1, x.shape[-1]), list(parts), cache.row, cache.col, state.x_scale, state._x_inv,
-                         state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype)
+    y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), cache.row, cache.col, state.x_scale, state._x_inv,
+                           state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype)
     return y.reshape(*lead, y.shape[-1])
 
 

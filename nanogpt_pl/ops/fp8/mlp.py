@@ -26,7 +26,7 @@ from .formats import (
     WEIGHT_AMAX_FLOOR,
     WEIGHT_LAG_HEADROOM,
 )
-from .ops import amax_probe, fp8_mlp_op, kernel_id
+from .ops import amax_probe, fp8_mlp_call, kernel_id
 
 RELU2_KERNELS = ("elementwise", "gemm_epilogue")
 # Which MLP kernel pair "auto" picks: set from benchmarks/fp8_mlp.py on an H200.
@@ -194,7 +194,7 @@ def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tens
         return _fp8_mlp_outside_graph(x, w_fc, w_proj, state)
     c1, c2 = state.current_caches() if torch.compiler.is_compiling() else state.refresh(w_fc, w_proj)
     lead = x.shape[:-1]
-    y, _, _, _, post_amax = fp8_mlp_op(
+    y, _, _, _, post_amax = fp8_mlp_call(
         x.reshape(-1, x.shape[-1]), w_fc, w_proj, state._dpre_probe, c1.row, c1.col, c2.row, c2.col,
         state.x_scale, state._x_inv, state.w1_scale, state.w2_scale, state.post_scale, state._post_inv,
         state.grad_scale, state._grad_inv, state.dpre_scale, state._dpre_inv, state._kern_id,

@@ -79,8 +79,7 @@ def amax_probe(buffer: Tensor) -> Tensor:
 
 
 # -- linear: y = x @ Wᵀ ---------------------------------------------------------------------------
-@torch.library.custom_op("nanogpt_pl::fp8_linear", mutates_args=())
-def fp8_linear_op(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
+def _linear_forward(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
                   w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
                   grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(y [n, out] in x's dtype, xᵀ [in, rows] e4m3)``; ``parts`` (the weight's row blocks) only
@@ -94,14 +93,16 @@ def fp8_linear_op(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, 
     return y, _own(xt, y)
 
 
+fp8_linear_op = torch.library.custom_op("nanogpt_pl::fp8_linear", mutates_args=())(_linear_forward)
+
+
 @fp8_linear_op.register_fake
 def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype):
     _, rows = _backend(kern, x.shape[0])
     return x.new_empty((x.shape[0], w_row.shape[0])), _fp8_t(x.shape[1], rows, x, E4M3)
 
 
-@torch.library.custom_op("nanogpt_pl::fp8_linear_backward", mutates_args=())
-def fp8_linear_backward(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, w_scale: Tensor,
+def _linear_backward_impl(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, w_scale: Tensor,
                         grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
                         w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(dx [n, in] in gy's dtype, dW [out, in] in w_dtype)``."""
@@ -113,6 +114,10 @@ def fp8_linear_backward(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, 
         dw = k.mm(gt, xt, grad_scale, x_scale, w_dtype, False)
     dx = _unpadded(dx, n)
     return dx, _own(dw, dx)
+
+
+fp8_linear_backward = torch.library.custom_op("nanogpt_pl::fp8_linear_backward",
+                                              mutates_args=())(_linear_backward_impl)
 
 
 @fp8_linear_backward.register_fake
@@ -127,10 +132,10 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
 
 
-def _linear_backward(ctx, gy: Tensor, gxt: Tensor):
+def _linear_backward(ctx, gy: Tensor, gxt: Tensor, backward=fp8_linear_backward):
     xt, w_col, x_scale, w_scale, grad_scale, grad_inv = ctx.saved_tensors
-    dx, dw = fp8_linear_backward(gy.contiguous(), xt, w_col, x_scale, w_scale, grad_scale, grad_inv, ctx.kern,
-                                 ctx.grad_dtype, ctx.part_meta[0][1])
+    dx, dw = backward(gy.contiguous(), xt, w_col, x_scale, w_scale, grad_scale, grad_inv, ctx.kern,
+                      ctx.grad_dtype, ctx.part_meta[0][1])
     dparts, start = [], 0
     for size, dtype in ctx.part_meta:
         dparts.append(dw[start:start + size].to(dtype))
@@ -141,9 +146,37 @@ def _linear_backward(ctx, gy: Tensor, gxt: Tensor):
 fp8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
+class _EagerLinear(torch.autograd.Function):
+    """The operator's forward and backward without the dispatcher, for eager calls (the operator
+    costs about twice the host time per call; a compiled graph needs the operator). The weight's
+    blocks come last, one argument each: autograd tracks tensor arguments, not lists."""
+
+    @staticmethod
+    def forward(ctx, x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, *parts):
+        inputs = (x, list(parts), w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype)
+        out = _linear_forward(*inputs)
+        _linear_setup(ctx, inputs, out)
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, gxt):
+        dx, dparts = _linear_backward(ctx, gy, gxt, backward=_linear_backward_impl)[:2]
+        return (dx,) + (None,) * 9 + tuple(dparts)
+
+
+def fp8_linear_call(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
+                    w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
+                    grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``fp8_linear_op``'s result: through the operator when compiling, else its eager twin."""
+    if torch.compiler.is_compiling():
+        return fp8_linear_op(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype)
+    return _EagerLinear.apply(x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype,
+                              *parts)
+
+
 # -- MLP: relu(x @ w_fcᵀ)² @ w_proj -------------------------------------------------------------------
-@torch.library.custom_op("nanogpt_pl::fp8_mlp", mutates_args=())
-def fp8_mlp_op(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_row: Tensor, c1_col: Tensor,
+def _mlp_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_row: Tensor, c1_col: Tensor,
                c2_row: Tensor, c2_col: Tensor, x_scale: Tensor, x_inv: Tensor, w1_scale: Tensor, w2_scale: Tensor,
                post_scale: Tensor, post_inv: Tensor, grad_scale: Tensor, grad_inv: Tensor, dpre_scale: Tensor,
                dpre_inv: Tensor, kern: int, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -163,6 +196,9 @@ def fp8_mlp_op(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_r
     return y, xt, post, _own(post_t, y, xt, post), amax
 
 
+fp8_mlp_op = torch.library.custom_op("nanogpt_pl::fp8_mlp", mutates_args=())(_mlp_forward)
+
+
 @fp8_mlp_op.register_fake
 def _(x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_inv, w1_scale, w2_scale,
       post_scale, post_inv, grad_scale, grad_inv, dpre_scale, dpre_inv, kern, fused):
@@ -173,8 +209,7 @@ def _(x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_in
             _fp8_t(h, rows, x, E4M3), x.new_empty((), dtype=torch.float32))
 
 
-@torch.library.custom_op("nanogpt_pl::fp8_mlp_backward", mutates_args=())
-def fp8_mlp_backward(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_col: Tensor, c2_row: Tensor,
+def _mlp_backward_impl(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_col: Tensor, c2_row: Tensor,
                      x_scale: Tensor, w1_scale: Tensor, w2_scale: Tensor, post_scale: Tensor, grad_scale: Tensor,
                      grad_inv: Tensor, dpre_scale: Tensor, dpre_inv: Tensor, kern: int, fused: bool,
                      w1_dtype: torch.dtype, w2_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -191,6 +226,9 @@ def fp8_mlp_backward(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_co
     dx = _unpadded(dx, n)
     dw1 = _own(dw1, dx)
     return dx, dw1, _own(dw2, dx, dw1), amax
+
+
+fp8_mlp_backward = torch.library.custom_op("nanogpt_pl::fp8_mlp_backward", mutates_args=())(_mlp_backward_impl)
 
 
 @fp8_mlp_backward.register_fake
@@ -210,10 +248,32 @@ def _mlp_setup(ctx, inputs, output) -> None:
     ctx.kern, ctx.fused, ctx.w_dtypes = kern, fused, (w_fc.dtype, w_proj.dtype)
 
 
-def _mlp_backward(ctx, gy: Tensor, gxt, gpost, gpost_t, gamax):
+def _mlp_backward(ctx, gy: Tensor, gxt, gpost, gpost_t, gamax, backward=fp8_mlp_backward):
     saved = ctx.saved_tensors
-    dx, dw1, dw2, amax = fp8_mlp_backward(gy.contiguous(), *saved, ctx.kern, ctx.fused, *ctx.w_dtypes)
+    dx, dw1, dw2, amax = backward(gy.contiguous(), *saved, ctx.kern, ctx.fused, *ctx.w_dtypes)
     return (dx, dw1, dw2, amax) + (None,) * 16
 
 
 fp8_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+class _EagerMLP(torch.autograd.Function):
+    """The operator's forward and backward without the dispatcher, for eager calls (as ``_EagerLinear``)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _mlp_forward(*inputs)
+        _mlp_setup(ctx, inputs, out)
+        ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, gxt, gpost, gpost_t, gamax):
+        return _mlp_backward(ctx, gy, gxt, gpost, gpost_t, gamax, backward=_mlp_backward_impl)
+
+
+def fp8_mlp_call(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``fp8_mlp_op``'s result: through the operator when compiling, else its eager twin."""
+    if torch.compiler.is_compiling():
+        return fp8_mlp_op(*inputs)
+    return _EagerMLP.apply(*inputs)
