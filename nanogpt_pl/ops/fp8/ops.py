@@ -14,6 +14,11 @@ The operators are functional, as an autograd formula requires:
 The weight caches and scales are inputs, refreshed eagerly before the forward (``caches_for``).
 Which backend runs (reference, the fast path, or a test's stand-in) is an integer index into
 :data:`_KERNELS`, a constant of the traced graph.
+
+Eager calls skip the dispatcher: ``fp8_linear_call`` and ``fp8_mlp_call`` run the operators'
+own forward and backward functions inside an ``autograd.Function`` (``_EagerLinear``,
+``_EagerMLP``) unless ``torch.compile`` is tracing, which costs about half the host time per
+call (``benchmarks/fp8_mlp.py --host``) and gives the same numbers.
 """
 
 from __future__ import annotations
