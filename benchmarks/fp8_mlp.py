@@ -402,13 +402,8 @@ def host_rows(iters: int) -> None:
           (torch.randn(32, d, device=device, generator=gen) * 0.05).requires_grad_()]
     mstate = Fp8MLPState(backend=backend).to(device)
     lstate = Fp8LinearState(backend=backend).to(device)
-    c1, c2 = mstate.refresh(w1, w2)
-    margs = (w1, w2, mstate._dpre_probe, c1.row, c1.col, c2.row, c2.col, mstate.x_scale, mstate._x_inv,
-             mstate.w1_scale, mstate.w2_scale, mstate.post_scale, mstate._post_inv, mstate.grad_scale,
-             mstate._grad_inv, mstate.dpre_scale, mstate._dpre_inv, mstate._kern_id, False)
-    cache = lstate.refresh(wl)
-    lrest = (cache.row, cache.col, lstate.x_scale, lstate._x_inv, lstate.w_scale, lstate.grad_scale,
-             lstate._grad_inv, lstate._kern_id, lstate.grad_dtype)
+    margs = mstate.operator_args(w1, w2, *mstate.refresh(w1, w2))
+    lrest = lstate.operator_args(lstate.refresh(wl))
     calls = {
         ("MLP", "operator"): lambda x: fp8_ops.fp8_mlp_op(x, *margs)[0],
         ("MLP", "eager twin"): lambda x: fp8_ops._EagerMLP.apply(x, *margs)[0],

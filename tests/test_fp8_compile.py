@@ -39,10 +39,7 @@ def fc_init(h, d, gen):
 
 
 def mlp_args(state, x, w1, w2):
-    c1, c2 = state.refresh(w1, w2)
-    return (x, w1, w2, state._dpre_probe, c1.row, c1.col, c2.row, c2.col, state.x_scale, state._x_inv,
-            state.w1_scale, state.w2_scale, state.post_scale, state._post_inv, state.grad_scale, state._grad_inv,
-            state.dpre_scale, state._dpre_inv, state._kern_id, False)
+    return (x, *state.operator_args(w1, w2, *state.refresh(w1, w2)))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -68,8 +65,7 @@ def test_opcheck_fp8_linear_operators(seed):
     parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
     cache = state.refresh(parts)
     x = normed(20, 32, gen).requires_grad_()
-    args = (x, parts, cache.row, cache.col, state.x_scale, state._x_inv, state.w_scale, state.grad_scale,
-            state._grad_inv, state._kern_id, state.grad_dtype)
+    args = (x, parts, *state.operator_args(cache))
     torch.library.opcheck(fp8_ops.fp8_linear_op, args, test_utils=OPCHECKS)
     y, xt = fp8_ops.fp8_linear_op(*args)
     torch.library.opcheck(fp8_ops.fp8_linear_backward, (torch.randn(y.shape, generator=gen), xt, cache.col,
@@ -115,10 +111,8 @@ def test_eager_linear_twin_equals_the_operator_with_the_weight_in_blocks(seed):
     gen = torch.Generator().manual_seed(seed)
     state = Fp8LinearState(backend="reference")
     parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
-    cache = state.refresh(parts)
     x0 = normed(20, 32, gen)
-    rest = (cache.row, cache.col, state.x_scale, state._x_inv, state.w_scale, state.grad_scale,
-            state._grad_inv, state._kern_id, state.grad_dtype)
+    rest = state.operator_args(state.refresh(parts))
     g = torch.randn(20, 64, generator=gen)
     got = []
     for eager in (False, True):

@@ -75,6 +75,12 @@ class Fp8LinearState(Fp8State):
                                "compiled forward")
         return self._cache
 
+    def operator_args(self, cache: WeightCache) -> tuple:
+        """The arguments of ``ops.fp8_linear_call`` after ``x`` and the weight's blocks: the cache,
+        the scales and their reciprocals, the backend and the gradient format."""
+        return (cache.row, cache.col, self.x_scale, self._x_inv, self.w_scale, self.grad_scale, self._grad_inv,
+                self._kern_id, self.grad_dtype)
+
     @classmethod
     def for_lm_head(cls, backend: str = "auto", config_key: str = "model.gpt.fp8_head") -> "Fp8LinearState":
         """The record's lm_head scales (RECORD §7): x 100/448, weight 2/448, e5m2 gradient (0.75/8)/448."""
@@ -154,8 +160,7 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
         return _fp8_linear_outside_graph(x, weight, state)
     cache = state.current_cache() if torch.compiler.is_compiling() else state.refresh(parts)
     lead = x.shape[:-1]
-    y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), cache.row, cache.col, state.x_scale, state._x_inv,
-                           state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype)
+    y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), *state.operator_args(cache))
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -99,6 +99,13 @@ class Fp8MLPState(Fp8State):
                                "compiled forward")
         return self._w1, self._w2
 
+    def operator_args(self, w_fc: Tensor, w_proj: Tensor, c1: WeightCache, c2: WeightCache) -> tuple:
+        """The arguments of ``ops.fp8_mlp_call`` after ``x``: the weights, the dpre probe, both
+        caches, every scale and reciprocal, the backend and the ReLU² kernel choice."""
+        return (w_fc, w_proj, self._dpre_probe, c1.row, c1.col, c2.row, c2.col, self.x_scale, self._x_inv,
+                self.w1_scale, self.w2_scale, self.post_scale, self._post_inv, self.grad_scale, self._grad_inv,
+                self.dpre_scale, self._dpre_inv, self._kern_id, self.relu2_kernel == "gemm_epilogue")
+
     @torch.no_grad()
     def caches_for(self, w_fc: Tensor, w_proj: Tensor, kern: Any) -> tuple[WeightCache, WeightCache]:
         """FP8 copies of both weights, rebuilt (with every delayed scale) when either changed."""
@@ -194,11 +201,7 @@ def fp8_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor, state: Fp8MLPState) -> Tens
         return _fp8_mlp_outside_graph(x, w_fc, w_proj, state)
     c1, c2 = state.current_caches() if torch.compiler.is_compiling() else state.refresh(w_fc, w_proj)
     lead = x.shape[:-1]
-    y, _, _, _, post_amax = fp8_mlp_call(
-        x.reshape(-1, x.shape[-1]), w_fc, w_proj, state._dpre_probe, c1.row, c1.col, c2.row, c2.col,
-        state.x_scale, state._x_inv, state.w1_scale, state.w2_scale, state.post_scale, state._post_inv,
-        state.grad_scale, state._grad_inv, state.dpre_scale, state._dpre_inv, state._kern_id,
-        state.relu2_kernel == "gemm_epilogue")
+    y, _, _, _, post_amax = fp8_mlp_call(x.reshape(-1, x.shape[-1]), *state.operator_args(w_fc, w_proj, c1, c2))
     with torch.no_grad():
         state.post_amax.copy_(torch.maximum(state.post_amax, post_amax))
     return y.reshape(*lead, y.shape[-1])

@@ -85,8 +85,8 @@ def amax_probe(buffer: Tensor) -> Tensor:
 
 # -- linear: y = x @ Wᵀ ---------------------------------------------------------------------------
 def _linear_forward(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
-                  w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
-                  grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                    w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
+                    grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(y [n, out] in x's dtype, xᵀ [in, rows] e4m3)``; ``parts`` (the weight's row blocks) only
     receive the gradient, the GEMM reads the cache ``w_row``."""
     n = x.shape[0]
@@ -108,8 +108,8 @@ def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, ker
 
 
 def _linear_backward_impl(gy: Tensor, xt: Tensor, w_col: Tensor, x_scale: Tensor, w_scale: Tensor,
-                        grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
-                        w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                          grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
+                          w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(dx [n, in] in gy's dtype, dW [out, in] in w_dtype)``."""
     n = gy.shape[0]
     k, rows = _backend(kern, n)
@@ -182,9 +182,9 @@ def fp8_linear_call(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor
 
 # -- MLP: relu(x @ w_fcᵀ)² @ w_proj -------------------------------------------------------------------
 def _mlp_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1_row: Tensor, c1_col: Tensor,
-               c2_row: Tensor, c2_col: Tensor, x_scale: Tensor, x_inv: Tensor, w1_scale: Tensor, w2_scale: Tensor,
-               post_scale: Tensor, post_inv: Tensor, grad_scale: Tensor, grad_inv: Tensor, dpre_scale: Tensor,
-               dpre_inv: Tensor, kern: int, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 c2_row: Tensor, c2_col: Tensor, x_scale: Tensor, x_inv: Tensor, w1_scale: Tensor, w2_scale: Tensor,
+                 post_scale: Tensor, post_inv: Tensor, grad_scale: Tensor, grad_inv: Tensor, dpre_scale: Tensor,
+                 dpre_inv: Tensor, kern: int, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(y [n, D], xᵀ [D, rows] e4m3, post [rows, H] e4m3, postᵀ [H, rows] e4m3, max(post) fp32)``.
 
     ``w_fc``, ``w_proj`` and ``dpre_probe`` only receive gradients (the probe: max |dpre|)."""
@@ -215,9 +215,9 @@ def _(x, w_fc, w_proj, dpre_probe, c1_row, c1_col, c2_row, c2_col, x_scale, x_in
 
 
 def _mlp_backward_impl(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_col: Tensor, c2_row: Tensor,
-                     x_scale: Tensor, w1_scale: Tensor, w2_scale: Tensor, post_scale: Tensor, grad_scale: Tensor,
-                     grad_inv: Tensor, dpre_scale: Tensor, dpre_inv: Tensor, kern: int, fused: bool,
-                     w1_dtype: torch.dtype, w2_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       x_scale: Tensor, w1_scale: Tensor, w2_scale: Tensor, post_scale: Tensor, grad_scale: Tensor,
+                       grad_inv: Tensor, dpre_scale: Tensor, dpre_inv: Tensor, kern: int, fused: bool,
+                       w1_dtype: torch.dtype, w2_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx [n, D], dW_fc [H, D], dW_proj [H, D], max |dpre| fp32)``."""
     n = gy.shape[0]
     k, rows = _backend(kern, n)
