@@ -132,10 +132,16 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     return args, st
 
 
-def gpu_busy_seconds(prof: Any) -> float:
+def gpu_events(prof: Any) -> list[tuple[str, float, float]]:
+    """``(name, start, end)`` of every GPU kernel and copy of a profile (microseconds), read once:
+    a long profile's event list is slow to build."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def gpu_busy_seconds(events: list[tuple[str, float, float]]) -> float:
     """Time the GPU was busy during a profile: the union of its kernel and copy intervals."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = sorted((a, b) for _, a, b in events if b > a)
     busy, cur_start, cur_end = 0.0, None, None
     for a, b in spans:
         if cur_end is None or a > cur_end:
@@ -200,10 +206,8 @@ def gpu_time_by_kind(kernels: list[tuple[str, float]]) -> tuple[dict[str, float]
             dict(sorted(ops.items(), key=lambda kv: -kv[1][1])))
 
 
-def print_gpu_breakdown(prof: Any, steps: int, tag: str) -> None:
-    kernels = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    kinds, ops = gpu_time_by_kind(kernels)
+def print_gpu_breakdown(events: list[tuple[str, float, float]], steps: int, tag: str) -> None:
+    kinds, ops = gpu_time_by_kind([(name, b - a) for name, a, b in events])
     total = sum(kinds.values()) or 1.0
     print(f"{tag}: GPU time by kind, ms per step: " + ", ".join(
         f"{k} {v / 1e3 / steps:.1f} ({100 * v / total:.0f}%)" for k, v in kinds.items()), file=sys.stderr)
@@ -284,10 +288,11 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         prof.export_chrome_trace(str(trace))
         print(f"{tag}: trace {trace}", file=sys.stderr)
         if torch.cuda.is_available():
-            busy = gpu_busy_seconds(prof)
+            events = gpu_events(prof)
+            busy = gpu_busy_seconds(events)
             print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
                   f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle)", file=sys.stderr)
-            print_gpu_breakdown(prof, steps, tag)
+            print_gpu_breakdown(events, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)
