@@ -85,3 +85,9 @@ def test_breakdown_sums_by_kind_and_names_the_elementwise_operations():
     assert kinds["ATen elementwise (unfused)"] == 8.5 and kinds["attention"] == 9.0
     assert list(ops) == ["add", "fill", "copy"]
     assert ops["add"] == (2, 6.0) and ops["fill"] == (1, 2.0) and ops["copy"] == (1, 0.5)
+
+
+def test_gpu_busy_time_is_the_union_of_the_intervals():
+    # overlapping kernels count once, a gap counts nothing, an empty interval is skipped (microseconds in, seconds out)
+    events = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 45.0, 45.0), ("e", 31.0, 33.0)]
+    assert _step_time().gpu_busy_seconds(events) == pytest.approx(30e-6)
