@@ -25,7 +25,10 @@ same run, and gives config/overlay.
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
 GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
-kernels, unfused ATen elementwise kernels by operation, copies).
+kernels, unfused ATen elementwise kernels by operation, copies), and the host's side: per phase
+of the step (``step/data``, ``step/sparse_pull``, ``step/micro_batch`` with ``graphs/copy_in`` and
+``graphs/replay``, ``step/sparse_push``, ``step/optimizer``, ``step/run_ahead_wait``) and per
+blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU idle time it holds.
 
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
@@ -132,11 +135,99 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     return args, st
 
 
-def gpu_events(prof: Any) -> list[tuple[str, float, float]]:
-    """``(name, start, end)`` of every GPU kernel and copy of a profile (microseconds), read once:
-    a long profile's event list is slow to build."""
-    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+# Host calls that block until the GPU catches up (a synchronize, or an allocator call that implies one).
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                  "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost")
+# Prefixes of the record_function ranges the training step marks (SpeedrunModule.run_step,
+# StepGraphs.run and this script's loop).
+PHASE_PREFIXES = ("step/", "graphs/")
+
+
+def profile_events(prof: Any) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """Read a profile once (a long profile's event list is slow to build): ``(name, start, end)``
+    in microseconds of every GPU kernel and copy, and of the host's phase ranges and blocking calls.
+
+    The GPU-side copies of record_function ranges (``gpu_user_annotation``) are not GPU work and
+    are left out: counted as kernels, they would fill the gaps inside every annotated range.
+    """
+    gpu, host = [], []
+    cuda = torch.autograd.DeviceType.CUDA
+    for e in prof.events():
+        item = (e.name, e.time_range.start, e.time_range.end)
+        if e.device_type == cuda:
+            if not getattr(e, "is_user_annotation", False):
+                gpu.append(item)
+        elif e.name.startswith(PHASE_PREFIXES) or e.name in BLOCKING_CALLS:
+            host.append(item)
+    return gpu, host
+
+
+def gpu_idle_spans(events: list[tuple[str, float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The spans inside [start, end] where no GPU event of ``events`` runs, in time order."""
+    spans = sorted((a, b) for _, a, b in events if b > a)
+    idle, cursor = [], start
+    for a, b in spans:
+        if a > cursor:
+            idle.append((cursor, min(a, end)))
+        cursor = max(cursor, b)
+        if cursor >= end:
+            break
+    if cursor < end:
+        idle.append((cursor, end))
+    return [(a, b) for a, b in idle if b > a]
+
+
+def overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """Length of [a, b] covered by ``spans`` (sorted, disjoint)."""
+    import bisect
+
+    i = max(bisect.bisect_right(spans, (a, float("inf"))) - 1, 0)
+    total = 0.0
+    while i < len(spans) and spans[i][0] < b:
+        lo, hi = max(spans[i][0], a), min(spans[i][1], b)
+        if hi > lo:
+            total += hi - lo
+        i += 1
+    return total
+
+
+def host_phases(gpu: list[tuple[str, float, float]], host: list[tuple[str, float, float]],
+                start: float, end: float) -> dict[str, tuple[int, float, float]]:
+    """Per host phase or blocking call: (calls, host time, GPU idle time inside it), microseconds.
+
+    The GPU idle time a phase holds is where the host, not the GPU, set the pace; the row
+    ``(no phase)`` is the idle time outside every phase (data, schedule, Python between them).
+    """
+    idle = gpu_idle_spans(gpu, start, end)
+    out: dict[str, tuple[int, float, float]] = {}
+    covered = []
+    for name, a, b in host:
+        n, t, i = out.get(name, (0, 0.0, 0.0))
+        out[name] = (n + 1, t + (b - a), i + overlap(idle, a, b))
+        if name.startswith("step/"):
+            covered.append((a, b))
+    covered.sort()
+    merged: list[tuple[float, float]] = []
+    for a, b in covered:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    total_idle = sum(b - a for a, b in idle)
+    inside = sum(overlap(idle, a, b) for a, b in merged)
+    out["(no phase)"] = (0, 0.0, total_idle - inside)
+    return out
+
+
+def print_host_phases(gpu, host, steps: int, tag: str) -> None:
+    if not gpu:
+        return
+    start = min(a for _, a, _ in gpu + host)
+    end = max(b for _, _, b in gpu + host)
+    rows = host_phases(gpu, host, start, end)
+    print(f"{tag}: host phases and blocking calls, per step (calls, host ms, GPU idle ms inside):", file=sys.stderr)
+    for name, (n, t, i) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        print(f"{tag}:   {name:<32} {n / steps:7.1f} {t / 1e3 / steps:9.2f} {i / 1e3 / steps:9.2f}", file=sys.stderr)
 
 
 def gpu_busy_seconds(events: list[tuple[str, float, float]]) -> float:
@@ -265,9 +356,11 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
 
                 cprof = cProfile.Profile()
                 cprof.enable()
-        batch = module.prepare_batch(next(it), step)
-        batch = module.transfer_batch_to_device(batch, device, 0)
-        module.apply_schedule(step)
+        with torch.profiler.record_function("step/data"):
+            batch = module.prepare_batch(next(it), step)
+            batch = module.transfer_batch_to_device(batch, device, 0)
+        with torch.profiler.record_function("step/schedule"):
+            module.apply_schedule(step)
         module.run_step(batch)
     _sync()
     seconds = time.perf_counter() - t0
@@ -288,11 +381,12 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         prof.export_chrome_trace(str(trace))
         print(f"{tag}: trace {trace}", file=sys.stderr)
         if torch.cuda.is_available():
-            events = gpu_events(prof)
+            events, host = profile_events(prof)
             busy = gpu_busy_seconds(events)
             print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
                   f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle)", file=sys.stderr)
             print_gpu_breakdown(events, steps, tag)
+            print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), file=sys.stderr)

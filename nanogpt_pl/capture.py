@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 # RECORD §11: replay vs eager loss within 5e-4 relative (fp16/fp32 atomics jitter ~1e-4).
 SELF_CHECK_RTOL = 5e-4
@@ -326,7 +327,8 @@ class StepGraphs:
             backward: Callable[[Tensor], None]) -> Tensor:
         """Forward, loss and backward of one micro-batch; returns the (detached) loss."""
         if self.before_micro_batch is not None:
-            self.before_micro_batch()
+            with record_function("graphs/before_micro_batch"):
+                self.before_micro_batch()
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _Entry()
@@ -345,12 +347,14 @@ class StepGraphs:
         return loss.detach()
 
     def _replay(self, entry: _Entry, inputs: Any) -> Tensor:
-        self._attach(entry.used)
-        pairs = _tensor_pairs(entry.static_inputs, inputs)
-        with torch.no_grad():
-            for s, v in pairs:
-                s.copy_(v, non_blocking=True)
-        entry.graph.replay()
+        with record_function("graphs/copy_in"):
+            self._attach(entry.used)
+            pairs = _tensor_pairs(entry.static_inputs, inputs)
+            with torch.no_grad():
+                for s, v in pairs:
+                    s.copy_(v, non_blocking=True)
+        with record_function("graphs/replay"):
+            entry.graph.replay()
         self.replays += 1
         leaves = [v for _, v in pairs if v.requires_grad]
         for v, g in zip(leaves, entry.static_grads):

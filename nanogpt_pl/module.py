@@ -25,6 +25,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .backends import Backends
 from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
@@ -548,24 +549,26 @@ class SpeedrunModule(L.LightningModule):
             graphs.begin_step()
         for mb in micro:
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
-            sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+            with record_function("step/sparse_pull"):
+                sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
             if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
-                loss = graphs.micro_step(mb, sparse, len(micro))
-                if sparse:
-                    self.sparse_channels.push_grads(sparse)
-                total += loss
-                continue
-            loss = self._micro_loss(mb, sparse)
-            # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
-            # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
-            scaled = loss * (mb["targets"].numel() / len(micro))
-            if self._plain_optimizer is not None:
-                scaled.backward()
+                with record_function("step/micro_batch"):
+                    loss = graphs.micro_step(mb, sparse, len(micro))
             else:
-                self.manual_backward(scaled)
+                with record_function("step/micro_batch"):
+                    loss = self._micro_loss(mb, sparse)
+                    # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
+                    # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
+                    scaled = loss * (mb["targets"].numel() / len(micro))
+                    if self._plain_optimizer is not None:
+                        scaled.backward()
+                    else:
+                        self.manual_backward(scaled)
+                    loss = loss.detach()
             if sparse:
-                self.sparse_channels.push_grads(sparse)
-            total += loss.detach()
+                with record_function("step/sparse_push"):
+                    self.sparse_channels.push_grads(sparse)
+            total += loss
         combined = self._combined()
         if "sparse" in combined.parts:
             combined.parts["sparse"].set_cadence_engaged(self.settings.sparse_cadence_engaged)
@@ -576,12 +579,14 @@ class SpeedrunModule(L.LightningModule):
             if emb.grad is not None:
                 head.grad = emb.grad if head.grad is None else head.grad.add_(emb.grad)
                 emb.grad = None
-        opt.step()
-        if tied and "adam" in combined.active_names():
-            with torch.no_grad():
-                emb.copy_(head)
-        opt.zero_grad(set_to_none=True)
-        self._run_ahead.step_done(self.device)
+        with record_function("step/optimizer"):
+            opt.step()
+            if tied and "adam" in combined.active_names():
+                with torch.no_grad():
+                    emb.copy_(head)
+            opt.zero_grad(set_to_none=True)
+        with record_function("step/run_ahead_wait"):
+            self._run_ahead.step_done(self.device)
         return total / len(micro)
 
     def _step_graphs(self) -> Optional[ModuleGraphs]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanogpt_pl.capture import schedule_key
 from nanogpt_pl.schedule import Schedule, Stage
@@ -91,3 +92,39 @@ def test_gpu_busy_time_is_the_union_of_the_intervals():
     # overlapping kernels count once, a gap counts nothing, an empty interval is skipped (microseconds in, seconds out)
     events = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 45.0, 45.0), ("e", 31.0, 33.0)]
     assert _step_time().gpu_busy_seconds(events) == pytest.approx(30e-6)
+
+
+def test_gpu_idle_spans_are_the_gaps_between_the_kernels_inside_the_window():
+    events = [("a", 10.0, 20.0), ("b", 15.0, 30.0), ("c", 50.0, 60.0), ("d", 55.0, 58.0), ("e", 90.0, 120.0)]
+    assert _step_time().gpu_idle_spans(events, 0.0, 100.0) == [(0.0, 10.0), (30.0, 50.0), (60.0, 90.0)]
+
+
+def test_host_phases_count_the_gpu_idle_time_inside_each_phase():
+    mod = _step_time()
+    gpu = [("k1", 0.0, 40.0), ("k2", 60.0, 100.0)]  # idle 40-60 and 100-130 in a window 0-130
+    host = [("step/micro_batch", 10.0, 50.0),  # holds 10 us of idle (40-50)
+            ("graphs/replay", 45.0, 48.0),  # nested: 3 us of idle
+            ("step/optimizer", 50.0, 70.0),  # 10 us (50-60)
+            ("cudaEventSynchronize", 105.0, 115.0),  # a blocking call outside every step/ phase: 10 us
+            ("step/micro_batch", 115.0, 120.0)]  # 5 us
+    rows = mod.host_phases(gpu, host, 0.0, 130.0)
+    assert rows["step/micro_batch"] == (2, 45.0, 15.0)
+    assert rows["graphs/replay"] == (1, 3.0, 3.0)
+    assert rows["step/optimizer"] == (1, 20.0, 10.0)
+    assert rows["cudaEventSynchronize"] == (1, 10.0, 10.0)
+    # 50 us idle in all, 25 us of it inside step/ phases (graphs/ ranges nest inside them)
+    assert rows["(no phase)"] == (0, 0.0, 25.0)
+
+
+def test_profile_events_read_the_steps_phase_ranges_from_a_real_profile():
+    mod = _step_time()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("step/micro_batch"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        with torch.profiler.record_function("unrelated"):
+            torch.randn(8).sum()
+    gpu, host = mod.profile_events(prof)
+    assert gpu == []  # CPU only
+    assert [name for name, _, _ in host] == ["step/micro_batch"]
+    _, a, b = host[0]
+    assert b > a
