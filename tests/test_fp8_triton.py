@@ -107,6 +107,33 @@ def test_rounding_helpers_equal_torch_casts(seed):
     assert same_values(e5, x.clamp(-57344, 57344).to(E5M2))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_hardware_rounding_equals_grid_rounding_on_the_gpu(seed, dtype):
+    """The GPU kernels let the conversion instruction round (``to_fp8``'s default there): at a real
+    size, ties and overflow included, it must give the bits of torch's saturated cast, and the
+    values of the grid rounding the interpreter runs (which returns +0 where a negative value
+    rounds to zero; the cast keeps -0)."""
+    from nanogpt_pl.ops.triton.fp8_quant import cast_to_fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = every[every.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 0.0, -0.0])
+    x = torch.cat([grid, mids, special, wide_range((1 << 24,), gen, -30, 20)]).cuda()
+    inv_scale = torch.tensor([1.0], device="cuda")
+    hw = cast_to_fp8(x, inv_scale, dtype, hardware=True)
+    sw = cast_to_fp8(x, inv_scale, dtype, hardware=False)
+    limit = 448.0 if dtype == E4M3 else 57344.0
+    ref = x.clamp(-limit, limit).to(dtype)
+    number = ~x.isnan()
+    assert torch.equal(hw[number].view(torch.uint8), ref[number].view(torch.uint8))
+    assert hw.float()[~number].isnan().all()
+    assert same_values(hw, sw)
+
+
 @interp
 @pytest.mark.parametrize("seed", SEEDS)
 def test_elementwise_epilogues_equal_reference(seed):

@@ -6,13 +6,16 @@ token-contiguous (transposed) copy of each activation and gradient; the forward
 and data-gradient GEMMs need the row-major copy. One pass here reads the source
 once and writes both.
 
-Rounding: every kernel rounds to the FP8 grid itself (round-to-nearest-even,
-saturating at the format maximum) before the cast, so the cast only ever sees
-representable values. On the GPU that is bit-for-bit what the hardware
-``cvt.rn.satfinite`` conversion gives; under ``TRITON_INTERPRET=1`` it also
-sidesteps the interpreter's float->fp8 conversion, which mis-rounds values whose
-mantissa carries into the next binade (1.98 became 1.0 instead of 2.0 in our
-checks), so the CPU tests compare real kernel arithmetic against PyTorch.
+Rounding: round-to-nearest-even, saturating at the format maximum. On the GPU the
+kernels clamp and let the hardware conversion (``cvt.rn.satfinite``) round, one
+instruction per pair of values. Under ``TRITON_INTERPRET=1`` they round to the FP8 grid
+in fp32 arithmetic first (:func:`round_to_fp8_grid`, about a dozen operations per
+value), so the cast only ever sees representable values: the interpreter's float->fp8
+conversion mis-rounds values whose mantissa carries into the next binade (1.98 became
+1.0 instead of 2.0 in our checks), and the CPU tests compare real kernel arithmetic
+against PyTorch. On an H200 the hardware rounding gave torch's cast bit for bit, and the
+grid rounding the same values, but for the sign of zero (+0 where a negative value rounds
+to zero); a GPU test checks both.
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from nanogpt_pl.ops.triton import interpret_mode
+
 # Format constants (OCP FP8: e4m3 "fn" has no infinities, max 448; e5m2 max 57344).
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
+
+# The hardware conversion rounds on the GPU; the interpreter's does not round right (above).
+# Fixed when this module is imported, as Triton reads TRITON_INTERPRET (interpret_mode).
+_HARDWARE_ROUNDING = tl.constexpr(not interpret_mode())
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 value of magnitude < 2**22 to the
 # nearest integer, ties to even, using the FPU's own round-to-nearest-even.
@@ -68,12 +77,46 @@ def round_to_bf16(v):
 
 
 @triton.jit
-def to_fp8(v, E5M2: tl.constexpr):
-    """Saturating round-to-nearest-even cast of fp32 ``v`` to e5m2 (E5M2) or e4m3fn."""
-    if E5M2:
-        out = round_to_fp8_grid(v, 2, -14, 57344.0).to(tl.float8e5)
+def to_fp8(v, E5M2: tl.constexpr, HARDWARE: tl.constexpr = _HARDWARE_ROUNDING):
+    """Saturating round-to-nearest-even cast of fp32 ``v`` to e5m2 (E5M2) or e4m3fn.
+
+    ``HARDWARE`` (the default on the GPU): clamp, then the conversion instruction rounds;
+    else round on the grid in fp32 first (:func:`round_to_fp8_grid`; the same values, with +0
+    for a negative value that rounds to zero).
+    """
+    if HARDWARE:
+        if E5M2:
+            v = tl.minimum(tl.maximum(v, -57344.0, propagate_nan=tl.PropagateNan.ALL), 57344.0,
+                           propagate_nan=tl.PropagateNan.ALL)
+            out = v.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                           propagate_nan=tl.PropagateNan.ALL)
+            out = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
-        out = round_to_fp8_grid(v, 3, -6, 448.0).to(tl.float8e4nv)
+        if E5M2:
+            out = round_to_fp8_grid(v, 2, -14, 57344.0).to(tl.float8e5)
+        else:
+            out = round_to_fp8_grid(v, 3, -6, 448.0).to(tl.float8e4nv)
+    return out
+
+
+@triton.jit
+def _to_fp8_kernel(src_ptr, out_ptr, inv_scale_ptr, n, BLOCK: tl.constexpr, E5M2: tl.constexpr,
+                   HARDWARE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, to_fp8(v * tl.load(inv_scale_ptr), E5M2, HARDWARE), mask=mask)
+
+
+def cast_to_fp8(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.dtype, hardware: bool) -> torch.Tensor:
+    """``to_fp8(src * inv_scale)`` over a contiguous tensor, with the rounding chosen (for the tests)."""
+    out = torch.empty(src.shape, device=src.device, dtype=fp8_dtype)
+    n = src.numel()
+    block = 1024
+    _to_fp8_kernel[(triton.cdiv(n, block),)](src, out, inv_scale, n, BLOCK=block,
+                                             E5M2=fp8_dtype == torch.float8_e5m2, HARDWARE=hardware)
     return out
 
 
