@@ -43,6 +43,7 @@ files are missing) trains on the embedded corpus, repeated as needed.
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import glob
 import json
@@ -162,11 +163,21 @@ def profile_events(prof: Any) -> tuple[list[tuple[str, float, float]], list[tupl
     return gpu, host
 
 
+def union_spans(spans: Any) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` spans as sorted, disjoint spans (empty spans dropped)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(span for span in spans if span[1] > span[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def gpu_idle_spans(events: list[tuple[str, float, float]], start: float, end: float) -> list[tuple[float, float]]:
     """The spans inside [start, end] where no GPU event of ``events`` runs, in time order."""
-    spans = sorted((a, b) for _, a, b in events if b > a)
     idle, cursor = [], start
-    for a, b in spans:
+    for a, b in union_spans((a, b) for _, a, b in events):
         if a > cursor:
             idle.append((cursor, min(a, end)))
         cursor = max(cursor, b)
@@ -179,8 +190,6 @@ def gpu_idle_spans(events: list[tuple[str, float, float]], start: float, end: fl
 
 def overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
     """Length of [a, b] covered by ``spans`` (sorted, disjoint)."""
-    import bisect
-
     i = max(bisect.bisect_right(spans, (a, float("inf"))) - 1, 0)
     total = 0.0
     while i < len(spans) and spans[i][0] < b:
@@ -206,15 +215,8 @@ def host_phases(gpu: list[tuple[str, float, float]], host: list[tuple[str, float
         out[name] = (n + 1, t + (b - a), i + overlap(idle, a, b))
         if name.startswith("step/"):
             covered.append((a, b))
-    covered.sort()
-    merged: list[tuple[float, float]] = []
-    for a, b in covered:
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
     total_idle = sum(b - a for a, b in idle)
-    inside = sum(overlap(idle, a, b) for a, b in merged)
+    inside = sum(overlap(idle, a, b) for a, b in union_spans(covered))
     out["(no phase)"] = (0, 0.0, total_idle - inside)
     return out
 
@@ -232,17 +234,7 @@ def print_host_phases(gpu, host, steps: int, tag: str) -> None:
 
 def gpu_busy_seconds(events: list[tuple[str, float, float]]) -> float:
     """Time the GPU was busy during a profile: the union of its kernel and copy intervals."""
-    spans = sorted((a, b) for _, a, b in events if b > a)
-    busy, cur_start, cur_end = 0.0, None, None
-    for a, b in spans:
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        busy += cur_end - cur_start
+    busy = sum(b - a for a, b in union_spans((a, b) for _, a, b in events))
     return busy * 1e-6  # the profiler's times are in microseconds
 
 
