@@ -539,7 +539,7 @@ class ModuleGraphs:
                 warnings.warn(f"CUDA graphs: a micro-batch has a segment of {int(mb['max_seqlen'])} tokens, above the "
                               f"stage's bound {bound}; such micro-batches run eagerly")
             run_mb["max_seqlen"] = int(mb["max_seqlen"])
-            return self._eager_call()(run_mb, sparse, micro_batches)
+            return module.eager_micro_step(run_mb, sparse, micro_batches)
         run_mb["max_seqlen"] = bound
         tokens = int(mb["inputs"].numel())
         run_mb["cu_seqlens"] = pad_cu_seqlens(mb["cu_seqlens"], self._docs_bound.get(tokens, 0))
@@ -554,21 +554,7 @@ class ModuleGraphs:
             loss = module._micro_loss(inp["mb"], inp["sparse"] or None)
             return loss, loss * scale
 
-        return self.graphs.run(key, {"mb": run_mb, "sparse": sparse or {}}, forward, self._backward())
-
-    def _backward(self) -> Callable[[Tensor], None]:
-        module = self.module
-        return (lambda t: t.backward()) if module._plain_optimizer is not None else module.manual_backward
-
-    def _eager_call(self):
-        module = self.module
-
-        def call(mb, sparse, micro_batches):
-            loss = module._micro_loss(mb, sparse)
-            self._backward()(loss * (mb["targets"].numel() / micro_batches))
-            return loss.detach()
-
-        return call
+        return self.graphs.run(key, {"mb": run_mb, "sparse": sparse or {}}, forward, module.backward_of)
 
 
 def cuda_graphs_active(requested: bool, device: torch.device) -> bool:

@@ -535,6 +535,22 @@ class SpeedrunModule(L.LightningModule):
             head=head,
         )
 
+    def backward_of(self, scaled: Tensor) -> None:
+        """The backward of a scaled micro-batch loss: autograd's under the plain loop
+        (``use_plain_optimizer``), Lightning's ``manual_backward`` under the Trainer."""
+        if self._plain_optimizer is not None:
+            scaled.backward()
+        else:
+            self.manual_backward(scaled)
+
+    def eager_micro_step(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]], micro_batches: int) -> Tensor:
+        """Forward, loss and backward of one micro-batch, eagerly; the detached loss."""
+        loss = self._micro_loss(mb, sparse)
+        # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
+        # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
+        self.backward_of(loss * (mb["targets"].numel() / micro_batches))
+        return loss.detach()
+
     def run_step(self, batch: list[dict[str, Any]]) -> Tensor:
         """Forward, backward and optimizer step over one step's micro-batches; the mean loss.
 
@@ -551,20 +567,11 @@ class SpeedrunModule(L.LightningModule):
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             with record_function("step/sparse_pull"):
                 sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
-            if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
-                with record_function("step/micro_batch"):
+            with record_function("step/micro_batch"):
+                if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
                     loss = graphs.micro_step(mb, sparse, len(micro))
-            else:
-                with record_function("step/micro_batch"):
-                    loss = self._micro_loss(mb, sparse)
-                    # RECORD §1: the backward sees the SUM of the rank's per-token losses (times
-                    # 1/micro-batches); the FP8 static gradient scales and Adam's eps assume that scale.
-                    scaled = loss * (mb["targets"].numel() / len(micro))
-                    if self._plain_optimizer is not None:
-                        scaled.backward()
-                    else:
-                        self.manual_backward(scaled)
-                    loss = loss.detach()
+                else:
+                    loss = self.eager_micro_step(mb, sparse, len(micro))
             if sparse:
                 with record_function("step/sparse_push"):
                     self.sparse_channels.push_grads(sparse)
