@@ -72,20 +72,29 @@ def test_quantize_dual_equals_reference(seed, dtype):
     assert torch.equal(tiles, want_tiles)
 
 
-if INTERPRETED:
+if INTERPRETED or torch.cuda.is_available():
     import triton
     import triton.language as tl
 
     from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
 
     @triton.jit
-    def _rounding_kernel(x_ptr, bf_ptr, e4_ptr, e5_ptr, n, BLOCK: tl.constexpr):
+    def _rounding_kernel(x_ptr, bf_ptr, e4_ptr, e5_ptr, n, BLOCK: tl.constexpr, HARDWARE: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         tl.store(bf_ptr + offs, round_to_bf16(x), mask=mask)
-        tl.store(e4_ptr + offs, to_fp8(x, False), mask=mask)
-        tl.store(e5_ptr + offs, to_fp8(x, True), mask=mask)
+        tl.store(e4_ptr + offs, to_fp8(x, False, HARDWARE), mask=mask)
+        tl.store(e5_ptr + offs, to_fp8(x, True, HARDWARE), mask=mask)
+
+
+def _round_with_kernel(x, hardware):
+    """(bf16, e4m3, e5m2) roundings of fp32 ``x`` by ``to_fp8`` / ``round_to_bf16`` in one kernel."""
+    n = x.numel()
+    bf = torch.empty(n, device=x.device)
+    e4, e5 = torch.empty(n, dtype=E4M3, device=x.device), torch.empty(n, dtype=E5M2, device=x.device)
+    _rounding_kernel[(triton.cdiv(n, 1024),)](x, bf, e4, e5, n, BLOCK=1024, HARDWARE=hardware)
+    return bf, e4, e5
 
 
 @interp
@@ -99,9 +108,7 @@ def test_rounding_helpers_equal_torch_casts(seed):
     mids = (grid[1:] + grid[:-1]) / 2
     # (No NaN here: the interpreter's own cast of NaN to e4m3 yields a number.)
     x = torch.cat([grid, mids, wide_range((4000,), gen, -20, 17)])
-    n = x.numel()
-    bf, e4, e5 = torch.empty(n), torch.empty(n, dtype=E4M3), torch.empty(n, dtype=E5M2)
-    _rounding_kernel[(triton.cdiv(n, 1024),)](x, bf, e4, e5, n, BLOCK=1024)
+    bf, e4, e5 = _round_with_kernel(x, hardware=False)  # the interpreter's rounding (above)
     assert same_values(bf, x.bfloat16().float())
     assert same_values(e4, x.clamp(-448, 448).to(E4M3))
     assert same_values(e5, x.clamp(-57344, 57344).to(E5M2))
@@ -115,17 +122,15 @@ def test_hardware_rounding_equals_grid_rounding_on_the_gpu(seed, dtype):
     size, ties and overflow included, it must give the bits of torch's saturated cast, and the
     values of the grid rounding the interpreter runs (which returns +0 where a negative value
     rounds to zero; the cast keeps -0)."""
-    from nanogpt_pl.ops.triton.fp8_quant import cast_to_fp8
-
     gen = torch.Generator().manual_seed(seed)
     every = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     grid = every[every.isfinite()].unique()
     mids = (grid[1:] + grid[:-1]) / 2
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 0.0, -0.0])
     x = torch.cat([grid, mids, special, wide_range((1 << 24,), gen, -30, 20)]).cuda()
-    inv_scale = torch.tensor([1.0], device="cuda")
-    hw = cast_to_fp8(x, inv_scale, dtype, hardware=True)
-    sw = cast_to_fp8(x, inv_scale, dtype, hardware=False)
+    slot = 1 if dtype == E4M3 else 2  # _round_with_kernel's (bf16, e4m3, e5m2)
+    hw = _round_with_kernel(x, hardware=True)[slot]
+    sw = _round_with_kernel(x, hardware=False)[slot]
     limit = 448.0 if dtype == E4M3 else 57344.0
     ref = x.clamp(-limit, limit).to(dtype)
     number = ~x.isnan()

@@ -102,25 +102,6 @@ def to_fp8(v, E5M2: tl.constexpr, HARDWARE: tl.constexpr = _HARDWARE_ROUNDING):
 
 
 @triton.jit
-def _to_fp8_kernel(src_ptr, out_ptr, inv_scale_ptr, n, BLOCK: tl.constexpr, E5M2: tl.constexpr,
-                   HARDWARE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    v = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, to_fp8(v * tl.load(inv_scale_ptr), E5M2, HARDWARE), mask=mask)
-
-
-def cast_to_fp8(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.dtype, hardware: bool) -> torch.Tensor:
-    """``to_fp8(src * inv_scale)`` over a contiguous tensor, with the rounding chosen (for the tests)."""
-    out = torch.empty(src.shape, device=src.device, dtype=fp8_dtype)
-    n = src.numel()
-    block = 1024
-    _to_fp8_kernel[(triton.cdiv(n, block),)](src, out, inv_scale, n, BLOCK=block,
-                                             E5M2=fp8_dtype == torch.float8_e5m2, HARDWARE=hardware)
-    return out
-
-
-@triton.jit
 def _quantize_dual_kernel(src_ptr, row_ptr, t_ptr, inv_scale_ptr, tile_amax_ptr,
                           m_src, m_out, k, stride_sm, stride_sk,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E5M2: tl.constexpr,
