@@ -344,8 +344,9 @@ def head_loss_rows(table: Table, n: int, warmup: int, iters: int) -> None:
 def tile_sweep(n: int, warmup: int, iters: int) -> None:
     """Time the elementwise FP8 passes at several tile shapes, checking each transposed copy's bytes.
 
-    The tiles the kernels use (``_GPU_TILE``, ``_DPRE_TILE`` in ``ops/triton/fp8_mlp.py`` and
-    ``fp8_quant.py``) were picked from this table; "t == row.T" says whether the kernel's own
+    The tiles the kernels use (``_GPU_TILE``, ``_DPRE_BLOCK`` and ``_PROGRAMS_PER_SM`` in
+    ``ops/triton/fp8_mlp.py``, ``_GPU_TILE`` in ``fp8_quant.py``) were picked from this table;
+    "t == row.T" says whether the kernel's own
     transposed copy matches the row-major one byte for byte (the dpre rows include the separate
     byte transpose, ``transpose_bytes``).
     """
@@ -366,10 +367,11 @@ def tile_sweep(n: int, warmup: int, iters: int) -> None:
               f"t == row.T {same_t(t, row)}")
     dpl = (torch.randn(n, HIDDEN, device=dev, generator=g) * 1e-2).bfloat16()
     post = (torch.rand(n, HIDDEN, device=dev, generator=g) * 100).to(torch.float8_e4m3fn)
-    for block in ((128, 128), (32, 128), (64, 64), (16, 256), (32, 256)):
-        row, t = dpre_quantize(dpl, post, one, gscale, amax, block=block)
-        print(f"  dpre {HIDDEN} wide {block}: "
-              f"{ms(lambda: dpre_quantize(dpl, post, one, gscale, amax, block=block)):.3f} ms, "
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for block, per_sm in ((1024, 8), (2048, 4), (2048, 8), (4096, 4)):
+        row, t = dpre_quantize(dpl, post, one, gscale, amax, block=block, programs=per_sm * sms)
+        print(f"  dpre {HIDDEN} wide, blocks of {block}, {per_sm} programs per SM: "
+              f"{ms(lambda: dpre_quantize(dpl, post, one, gscale, amax, block=block, programs=per_sm * sms)):.3f} ms, "
               f"t == row.T {same_t(t, row)}")
     x = F.rms_norm(torch.randn(n, DIM, device=dev, generator=g), (DIM,)).bfloat16()
     inv = torch.tensor([16.0], device=dev)

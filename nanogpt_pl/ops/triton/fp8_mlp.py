@@ -27,18 +27,24 @@ The PyTorch reference of exactly these formulas is the reference backend of
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16, to_fp8
 
-# The ReLU² pass (bf16 in, e4m3 row-major and transposed out) at 49,152 x 2,816 on the H200:
-# 0.264 ms with 64 x 128 tiles against 0.317 ms with 128 x 128 (`benchmarks/fp8_mlp.py --tile-sweep`).
-_GPU_TILE = (64, 128)
-# The dpre pass alone (no transposed store) at 49,152 x 2,816 on the H200: 0.217 ms with 32x128
-# tiles against 0.349 ms with 128x128 (BENCHMARKS.md "FP8").
-_DPRE_TILE = (32, 128)
+# The ReLU² pass (bf16 in, e4m3 row-major and transposed out) at 16,384 / 49,152 x 2,816 on the
+# H200: 56.4 / 157.7 us with 32 x 128 tiles, 4 warps, against 67.7 / 188.0 us with the 64 x 128
+# tiles and the ordered (acq_rel) amax atomic it had before (BENCHMARKS.md "The amax atomics").
+_GPU_TILE = (32, 128)
+# The dpre pass runs as a grid-stride loop over flat blocks of this many elements, _PROGRAMS_PER_SM
+# programs per SM, each folding its running max into the amax with one atomic at its end: 54.0 /
+# 142.4 us at 16,384 / 49,152 x 2,816 on the H200, against 67.3 / 183.4 us for one program (and
+# one atomic) per 32 x 128 tile (BENCHMARKS.md "The amax atomics").
+_DPRE_BLOCK = 2048
+_PROGRAMS_PER_SM = 8
 # GEMM tiles for H100/H200 FP8 (K-major operands, wgmma): 3 stages of 32 KiB fit in
 # shared memory twice over, so two CTAs per SM overlap one's epilogue with the other's loads.
 GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
@@ -54,7 +60,7 @@ def _relu2_quantize_kernel(pre_ptr, row_ptr, t_ptr, inv_scale_ptr, amax_ptr, m, 
     pre = tl.load(pre_ptr + offs_m[:, None] * n + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     r = tl.maximum(pre, 0.0, propagate_nan=tl.PropagateNan.ALL)
     post = r * r
-    tl.atomic_max(amax_ptr, tl.max(tl.max(post, axis=1), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(post, axis=1), axis=0), sem="relaxed")
     q = to_fp8(post * tl.load(inv_scale_ptr), False)
     tl.store(row_ptr + offs_m[:, None] * n + offs_n[None, :], q, mask=mask)
     t_mask = (offs_n < n)[:, None] & (offs_m < m)[None, :]
@@ -63,17 +69,36 @@ def _relu2_quantize_kernel(pre_ptr, row_ptr, t_ptr, inv_scale_ptr, amax_ptr, m, 
 
 @triton.jit
 def _dpre_quantize_kernel(dpl_ptr, post_ptr, row_ptr, post_scale_ptr, inv_scale_ptr, amax_ptr,
-                          m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < m)[:, None] & (offs_n < n)[None, :]
-    idx = offs_m[:, None] * n + offs_n[None, :]
-    dpl = tl.load(dpl_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    dpre = 2.0 * dpl * tl.sqrt_rn(post * tl.load(post_scale_ptr))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dpre), axis=1), axis=0))
-    q = to_fp8(dpre * tl.load(inv_scale_ptr), True)
-    tl.store(row_ptr + idx, q, mask=mask)
+                          total, BLOCK: tl.constexpr):
+    # A grid-stride loop over flat blocks: the pass is elementwise (its transpose is made by
+    # transpose_bytes), and a few programs per SM, each with one atomic at its end, keep the
+    # many per-tile atomics on one address off the memory system.
+    post_scale = tl.load(post_scale_ptr)
+    inv_scale = tl.load(inv_scale_ptr)
+    running = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in range(tl.program_id(0), tl.cdiv(total, BLOCK), tl.num_programs(0)):
+        offs = b * BLOCK + tl.arange(0, BLOCK)  # int32: dpre_quantize checks total + BLOCK < 2**31
+        mask = offs < total
+        dpl = tl.load(dpl_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dpre = 2.0 * dpl * tl.sqrt_rn(post * post_scale)
+        running = tl.maximum(running, tl.abs(dpre))
+        tl.store(row_ptr + offs, to_fp8(dpre * inv_scale, True), mask=mask)
+    # relaxed: the amax is read by a later kernel, after this one has finished
+    tl.atomic_max(amax_ptr, tl.max(running, axis=0), sem="relaxed")
+
+
+def _programs(device: torch.device) -> int:
+    """Programs for a grid-stride pass: _PROGRAMS_PER_SM per SM on a GPU, 3 elsewhere (the
+    interpreter, where a few programs make every program loop)."""
+    if device.type != "cuda":
+        return 3
+    return _PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def relu2_quantize(pre: torch.Tensor, inv_post_scale: torch.Tensor, post_amax: torch.Tensor,
@@ -98,7 +123,7 @@ def relu2_quantize(pre: torch.Tensor, inv_post_scale: torch.Tensor, post_amax: t
 
 def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tensor,
                   inv_dpre_scale: torch.Tensor, dpre_amax: torch.Tensor,
-                  block: tuple[int, int] = _DPRE_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = _DPRE_BLOCK, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """2 * dpl * sqrt(post * post_scale) quantized to e5m2 (row-major and transposed).
 
     Args:
@@ -107,14 +132,17 @@ def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tenso
         post_scale: 1-element fp32 dequantization scale of ``post``.
         inv_dpre_scale: 1-element fp32, 1 / dpre_scale.
         dpre_amax: 1-element fp32 accumulator of max |dpre|, updated in place.
+        block: elements per loop step of a program (a power of two).
+        programs: how many programs share the blocks; by default a few per SM.
     """
     assert dpl.is_contiguous() and post.is_contiguous() and dpl.shape == post.shape
     m, n = dpl.shape
     row = torch.empty((m, n), device=dpl.device, dtype=torch.float8_e5m2)
-    bm, bn = block
-    _dpre_quantize_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        dpl, post, row, post_scale, inv_dpre_scale, dpre_amax, m, n, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=8 if bm * bn >= 128 * 128 else 4)
+    total = m * n
+    assert total + block < 2**31, f"dpre_quantize: {m} x {n} elements overflow the kernel's int32 offsets"
+    grid = (max(1, min(programs or _programs(dpl.device), triton.cdiv(total, block))),)
+    _dpre_quantize_kernel[grid](dpl, post, row, post_scale, inv_dpre_scale, dpre_amax, total, BLOCK=block,
+                                num_warps=8 if block >= 2048 else 4)
     return row, transpose_bytes(row)
 
 
@@ -272,7 +300,7 @@ def _fp8_gemm_epilogue_kernel(a_ptr, b_ptr, row_ptr, t_ptr, aux_ptr,
         val = r * r
         tile_max = tl.max(tl.max(tl.where(mask, val, 0.0), axis=1), axis=0)
         q = to_fp8(val * tl.load(inv_out_scale_ptr), False)
-    tl.atomic_max(amax_ptr, tile_max)
+    tl.atomic_max(amax_ptr, tile_max, sem="relaxed")
     tl.store(row_ptr + offs_m[:, None] * N + offs_n[None, :], q, mask=mask)
     if not BACKWARD:  # the e5m2 (backward) transpose is made by transpose_bytes
         t_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
