@@ -11,6 +11,14 @@ prefix weight, held):
   device, ``SpeedrunModule.apply_schedule``, forward/backward/optimizer step through the same module
   methods, no Trainer.
 
+The time of the timed steps is steady-state time: on a GPU, the stream time between a CUDA event
+recorded as the first timed step begins (the queue is not drained first, so the host is as far
+ahead as it is in a long run) and one after the last; the GPU's idle time while the host lags is
+in it, the one-off filling of an empty queue is not. Where the queue was drained before the
+clock (a synchronize, as with ``--profile``), the first step's host work on the batch runs with
+the GPU idle and is on the clock (BENCHMARKS.md, "Steady-state step time").
+Without a GPU it is the host's wall time.
+
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
 (the Lightning overhead), plus peak memory. Unless ``--no-eager``, the plain loop also runs
@@ -80,21 +88,45 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+class StreamClock:
+    """Steady-state time of a span of steps: on a GPU the stream time between two CUDA events,
+    the first recorded without draining the queue; without one the host's wall time."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.t0 = self.t1 = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since ``start`` (waits for the GPU)."""
+        if self.cuda:
+            self.t1 = torch.cuda.Event(enable_timing=True)
+            self.t1.record()
+            self.t1.synchronize()
+            return self.t0.elapsed_time(self.t1) / 1e3
+        return time.perf_counter() - self.t0
+
+
 class _Clock(L.Callback):
-    """Wall time from the end of step ``start`` to the end of step ``stop`` (synchronized)."""
+    """Steady-state time from the end of step ``start`` to the end of step ``stop`` (StreamClock)."""
 
     def __init__(self, start: int, stop: int) -> None:
         self.start, self.stop = start, stop
-        self.t0 = self.t1 = None
+        self.clock = StreamClock()
+        self.seconds = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # steps completed
-        if step == self.start or step == self.stop:
-            _sync()
-            if step == self.start:
-                self.t0 = time.perf_counter()
-            else:
-                self.t1 = time.perf_counter()
+        if step == self.start:
+            self.clock.start()
+        elif step == self.stop:
+            self.seconds = self.clock.stop()
 
 
 def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str],
@@ -305,7 +337,7 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     cli.trainer.callbacks.append(clock)
     _reset_peak()
     cli.trainer.fit(cli.model, cli.datamodule)
-    return {"seconds": clock.t1 - clock.t0, "peak": _peak(), "gpt": cli.model.gpt_config}
+    return {"seconds": clock.seconds, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
 def _graph_counts(module) -> dict:
@@ -332,17 +364,17 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
     stream = data.train_dataloader()
     it = iter(stream)
     _reset_peak()
-    t0 = None
+    clock = StreamClock()
     prof = cprof = None
     for step in range(warmup + steps):
         if step == warmup:
-            _sync()
-            t0 = time.perf_counter()
-            before = _graph_counts(module)
-            if profile:
+            if profile:  # started before the clock: its start-up (tens of ms) is not a step's time
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
+                _sync()  # the trace holds the timed steps only
+            clock.start()
+            before = _graph_counts(module)
             if cprofile:
                 import cProfile
 
@@ -354,8 +386,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         with torch.profiler.record_function("step/schedule"):
             module.apply_schedule(step)
         module.run_step(batch)
-    _sync()
-    seconds = time.perf_counter() - t0
+    seconds = clock.stop()
     after = _graph_counts(module)
     if cprof is not None:
         import pstats
@@ -375,8 +406,12 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         if torch.cuda.is_available():
             events, host = profile_events(prof)
             busy = gpu_busy_seconds(events)
+            window = 1e-6 * (max(b for _, _, b in events) - min(a for _, a, _ in events))
             print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
-                  f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle)", file=sys.stderr)
+                  f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle); "
+                  f"{1e3 * window / steps:.1f} ms from the first kernel to the last "
+                  f"({100 * (1 - busy / window):.1f}% idle: the queue was drained before the clock, "
+                  f"so the first step's host work is in the wall time only)", file=sys.stderr)
             print_gpu_breakdown(events, steps, tag)
             print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
