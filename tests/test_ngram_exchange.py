@@ -393,6 +393,9 @@ def test_unique_fixed_gives_each_padding_entry_its_own_slot(seed: int) -> None:
     unique_t, inverse_t = unique_fixed(rows, tight, fill)
     assert unique_t.numel() == tight and torch.equal(unique_t[inverse_t], rows)
     assert set(inverse_t[rows == fill].tolist()) == set(range(real.numel(), tight))
+    # dealt in turn: no slot holds more than one padding entry above any other
+    loads = torch.bincount(inverse_t[rows == fill])[real.numel():]
+    assert int(loads.max() - loads.min()) <= 1
 
 
 @pytest.mark.parametrize("seed", [21, 22])
@@ -408,3 +411,29 @@ def test_merge_compact_fixed_sums_equal_the_exact_merge(seed: int) -> None:
     n = ids.numel()
     assert torch.equal(rows[:n], ids) and bool((rows[n:] == fill).all())
     torch.testing.assert_close(merged[:n].double(), sums.double(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+def test_fixed_value_embedding_merge_holds_at_most_vocab_plus_one_ids(seed: int) -> None:
+    """A cycle queues min(T, V) padded ids per micro-batch, but at most V are distinct: the merge
+    keeps V + 1 slots (the real ids, then the padding) and sums every id's gradient terms."""
+    gen = torch.Generator().manual_seed(seed)
+    planes = [torch.nn.Parameter(torch.randn(VOCAB, DIM, generator=gen)) for _ in range(PLANES)]
+    ve = ValueEmbedShard(planes, exchange="fixed")
+    expected: dict[int, torch.Tensor] = {}
+    micro = 5
+    for _ in range(micro):
+        ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+        rows = ve.prepare(ids)
+        grad = torch.randn(rows.values.shape, generator=gen)
+        for slot, i in enumerate(rows.ids.tolist()):
+            if i < VOCAB:
+                expected[i] = expected.get(i, torch.zeros(PLANES, DIM)) + grad[:, slot]
+        ve.push(rows.ids, grad)
+    assert micro * min(TOKENS, VOCAB) > VOCAB + 1  # the bound is what limits the merge here
+    ids, merged = ve.merged_gradient()
+    assert ids.numel() == VOCAB + 1 and merged.shape == (PLANES, VOCAB + 1, DIM)
+    real = sorted(expected)
+    assert ids[: len(real)].tolist() == real and bool((ids[len(real):] == ve.sentinel).all())
+    for slot, i in enumerate(real):
+        torch.testing.assert_close(merged[:, slot], expected[i], rtol=1e-5, atol=1e-5)

@@ -284,20 +284,22 @@ def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tens
     no output size is read back. ``fill`` must be larger than every real value (the
     padding then stays at the end), and ``capacity`` at least the number of distinct values.
 
-    Each ``fill`` entry gets a slot of its own while the capacity lasts (the rest share the
-    last slot): a merge adds every entry's row into its slot with ``index_add_``, and on a
+    The ``fill`` entries are dealt round the slots after the real values', one each while
+    they last: a merge adds every entry's row into its slot with ``index_add_``, and on a
     GPU hundreds of thousands of padding rows added into one slot serialize on its atomics
     (the padded value-embedding and n-gram queues are mostly padding). The real values'
-    slots and the contents of ``unique`` do not change.
+    slots and the contents of ``unique`` do not change. With fill entries present,
+    ``capacity`` must exceed the number of distinct real values.
     """
     sorted_, order = torch.sort(values, stable=True)
     is_fill = sorted_ == fill
     new = torch.ones_like(sorted_, dtype=torch.bool)
     new[1:] = (sorted_[1:] != sorted_[:-1]) | is_fill[1:]
     segment = torch.cumsum(new, 0) - 1
-    # the padding's slots run from the first one after the real values to the last one
+    # the padding's slots run from the first one after the real values to the last one, dealt in turn
     first_fill = (new & ~is_fill).sum()
-    segment = torch.where(is_fill, torch.maximum(segment.clamp(max=capacity - 1), first_fill), segment)
+    spare = (capacity - first_fill).clamp(min=1)
+    segment = torch.where(is_fill, first_fill + (segment - first_fill) % spare, segment)
     unique = torch.full((capacity,), fill, dtype=values.dtype, device=values.device)
     unique.scatter_(0, segment, sorted_)  # repeats write the same value
     inverse = torch.empty_like(segment)

@@ -11,7 +11,7 @@ event at the record's size, i.e. every 4th step.)
 
 ``exchange="fixed"`` does this without a device -> host sync (``row_exchange``): a
 micro-batch of T tokens keeps ``min(T, V)`` sentinel-padded ids, the event merges the
-cycle's padded lists into one of their total length and the owner's Adam takes the
+cycle's padded lists into one of ``min(total, V + 1)`` ids (at most V are distinct) and the owner's Adam takes the
 padded row list (``ShardAdam.update_rows_``). ``reference`` (exact sizes) is the default.
 """
 
@@ -114,7 +114,11 @@ class ValueEmbedShard:
 
     def merged_gradient(self) -> tuple[Tensor, Tensor]:
         if self.fixed and self._queue:
-            ids, grads = merge_compact_fixed(self._queue, self.sentinel, row_dim=1)
+            # A cycle's queue holds min(T, V) ids per micro-batch, but at most V of them are distinct:
+            # V + 1 slots hold them and the padding (32 x 16,384 queued ids against 50,304 at stage 0 of
+            # the one-GPU config: a tenth of the rows for the merge, the exchange and the Adam update).
+            capacity = min(sum(ids.numel() for ids, _ in self._queue), self.vocab + 1)
+            ids, grads = merge_compact_fixed(self._queue, self.sentinel, row_dim=1, capacity=capacity)
         else:
             ids, grads = merge_compact(self._queue, (self.planes, 0, self.dim), self.device, row_dim=1)
         self._queue = [(ids, grads)] if ids.numel() else []
