@@ -16,7 +16,7 @@ recorded as the first timed step begins (the queue is not drained first, so the 
 ahead as it is in a long run) and one after the last; the GPU's idle time while the host lags is
 in it, the one-off filling of an empty queue is not. Where the queue was drained before the
 clock (a synchronize, as with ``--profile``), the first step's host work on the batch runs with
-the GPU idle and is on the clock (BENCHMARKS.md, "Steady-state step time").
+the GPU idle and is on the clock (BENCHMARKS.md, "Steady-state timing" under "The amax atomics, ...").
 Without a GPU it is the host's wall time.
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full

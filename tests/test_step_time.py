@@ -128,3 +128,18 @@ def test_profile_events_read_the_steps_phase_ranges_from_a_real_profile():
     assert [name for name, _, _ in host] == ["step/micro_batch"]
     _, a, b = host[0]
     assert b > a
+
+
+def test_the_lightning_clock_times_from_the_end_of_step_start_to_the_end_of_step_stop():
+    import time
+    from types import SimpleNamespace
+
+    mod = _step_time()
+    clock = mod._Clock(start=2, stop=4)
+    trainer = SimpleNamespace(global_step=0)
+    for step in range(1, 6):  # global_step counts the steps completed
+        trainer.global_step = step
+        clock.on_train_batch_end(trainer, None, None, None, step - 1)
+        if step in (2, 3):
+            time.sleep(0.05)  # the time of steps 3 and 4
+    assert 0.1 <= clock.seconds < 1.0
