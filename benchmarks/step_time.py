@@ -94,7 +94,7 @@ class StreamClock:
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
-        self.t0 = self.t1 = None
+        self.t0 = None
 
     def start(self) -> None:
         if self.cuda:
@@ -106,10 +106,10 @@ class StreamClock:
     def stop(self) -> float:
         """Seconds since ``start`` (waits for the GPU)."""
         if self.cuda:
-            self.t1 = torch.cuda.Event(enable_timing=True)
-            self.t1.record()
-            self.t1.synchronize()
-            return self.t0.elapsed_time(self.t1) / 1e3
+            t1 = torch.cuda.Event(enable_timing=True)
+            t1.record()
+            t1.synchronize()
+            return self.t0.elapsed_time(t1) / 1e3
         return time.perf_counter() - self.t0
 
 
