@@ -414,26 +414,33 @@ def test_merge_compact_fixed_sums_equal_the_exact_merge(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [31, 32])
-def test_fixed_value_embedding_merge_holds_at_most_vocab_plus_one_ids(seed: int) -> None:
-    """A cycle queues min(T, V) padded ids per micro-batch, but at most V are distinct: the merge
-    keeps V + 1 slots (the real ids, then the padding) and sums every id's gradient terms."""
+def test_fixed_value_embeddings_add_each_micro_batch_into_one_cycle_buffer(seed: int) -> None:
+    """The fixed exchange keeps no queue: each push adds its padded compact gradient into the cycle
+    buffer. The pending ids are exactly the pushed ones, their sums the exact sums, no other row of the
+    owners' block holds anything, and after an event the buffer is empty again."""
     gen = torch.Generator().manual_seed(seed)
     planes = [torch.nn.Parameter(torch.randn(VOCAB, DIM, generator=gen)) for _ in range(PLANES)]
     ve = ValueEmbedShard(planes, exchange="fixed")
     expected: dict[int, torch.Tensor] = {}
     micro = 5
     for _ in range(micro):
-        ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+        ids = torch.randint(0, VOCAB - 3, (TOKENS,), generator=gen)  # the last ids stay untouched
         rows = ve.prepare(ids)
-        grad = torch.randn(rows.values.shape, generator=gen)
+        assert rows.ids.numel() == min(TOKENS, VOCAB) and bool((rows.ids == ve.sentinel).any())
+        grad = torch.randn(rows.values.shape, generator=gen, dtype=torch.float64)
         for slot, i in enumerate(rows.ids.tolist()):
             if i < VOCAB:
-                expected[i] = expected.get(i, torch.zeros(PLANES, DIM)) + grad[:, slot]
-        ve.push(rows.ids, grad)
-    assert micro * min(TOKENS, VOCAB) > VOCAB + 1  # the bound is what limits the merge here
+                expected[i] = expected.get(i, torch.zeros(PLANES, DIM, dtype=torch.float64)) + grad[:, slot]
+        ve.push(rows.ids, grad.float())
+        assert not ve._queue
     ids, merged = ve.merged_gradient()
-    assert ids.numel() == VOCAB + 1 and merged.shape == (PLANES, VOCAB + 1, DIM)
-    real = sorted(expected)
-    assert ids[: len(real)].tolist() == real and bool((ids[len(real):] == ve.sentinel).all())
-    for slot, i in enumerate(real):
-        torch.testing.assert_close(merged[:, slot], expected[i], rtol=1e-5, atol=1e-5)
+    assert ids.tolist() == sorted(expected) and merged.shape == (PLANES, len(expected), DIM)
+    for slot, i in enumerate(ids.tolist()):
+        torch.testing.assert_close(merged[:, slot].double(), expected[i], rtol=1e-5, atol=1e-5)
+    block = ve._grad[:, : ve.vocab]
+    untouched = torch.ones(ve.vocab, dtype=torch.bool)
+    untouched[ids] = False
+    assert bool((block[:, untouched] == 0).all())
+    assert not ve.pristine()
+    SparseAdam({"value_embeds": ve}).step()
+    assert ve.merged_gradient()[0].numel() == 0 and bool((ve._grad == 0).all()) and ve.step_count == 1

@@ -9,10 +9,15 @@ blocks are all-gathered into every replica. (The record instead pulls only the r
 next cycle reads, which needs the loader's lookahead; the all-gather costs ~300 MB per
 event at the record's size, i.e. every 4th step.)
 
-``exchange="fixed"`` does this without a device -> host sync (``row_exchange``): a
-micro-batch of T tokens keeps ``min(T, V)`` sentinel-padded ids, the event merges the
-cycle's padded lists into one of ``min(total, V + 1)`` ids (at most V are distinct) and the owner's Adam takes the
-padded row list (``ShardAdam.update_rows_``). ``reference`` (exact sizes) is the default.
+``exchange="fixed"`` does this without a device -> host sync: a micro-batch of T tokens
+keeps ``min(T, V)`` sentinel-padded ids (``row_exchange.unique_fixed``), and its compact
+gradient is added at once into one persistent fp32 cycle buffer ``[P, W·c, D]`` (the
+record's selected-load backward into a persistent cycle buffer, RECORD §5), so nothing is
+queued and nothing is merged. At the event each rank sends every owner its block of the
+buffer (one ``all_to_all`` of equal blocks), the owner adds its own block and the peers' in
+rank order (the reference's order) and runs Adam over its whole block (``ShardAdam.update_dense_``).
+At the record's size a cycle touches most of the 50,304 ids on every rank, so the dense
+blocks carry about what the compact rows would. ``reference`` (exact sizes) is the default.
 """
 
 from __future__ import annotations
@@ -25,16 +30,13 @@ from torch import Tensor
 
 from ..model.embeddings import CompactRows, compact_rows, padded_leaf
 from ..optim.sparse_adam import ShardAdam
-from .row_exchange import (
-    EXCHANGES,
-    RowExchange,
-    dist_world_rank,
-    merge_compact,
-    merge_compact_fixed,
-    pad_to_common,
-    unique_fixed,
-)
+from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, unique_fixed
 from .side_files import STATE_FORMAT
+
+# Rows past the owners' blocks in the fixed exchange's cycle buffer that take the padding
+# entries' (zero) gradient rows, dealt in turn: 16,384 - U padding rows a stage-0 micro-batch,
+# a few atomic adds on each instead of thousands on one.
+SCRATCH_ROWS = 1024
 
 
 class ValueEmbedShard:
@@ -76,6 +78,11 @@ class ValueEmbedShard:
         # padding id of the fixed exchange: after every token, and its rows (id·P + p) after every owner's
         self.sentinel = self.tokens_per_rank * self.world
         self._queue: list[tuple[Tensor, Tensor]] = []
+        # the fixed exchange's cycle buffer (allocated at the first push): [P, W·c + scratch, D] fp32,
+        # and which token ids it holds a gradient for (the checkpoint's pending ids)
+        self._grad: Optional[Tensor] = None
+        self._touched: Optional[Tensor] = None
+        self._pending = False
 
     @property
     def device(self) -> torch.device:
@@ -106,21 +113,56 @@ class ValueEmbedShard:
                            index=index, ids=ids)
 
     def push(self, ids: Tensor, grad: Tensor) -> None:
-        """Queue a micro-batch's compact gradient ``[P, U (+ padding), D]`` of the sorted unique ``ids``."""
+        """Take a micro-batch's compact gradient ``[P, U (+ padding), D]`` of the sorted unique ``ids``.
+
+        The reference exchange queues it; the fixed one adds it into the cycle buffer.
+        """
         n = ids.numel()
         if grad.shape[0] != self.planes or grad.shape[1] < n:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} for {self.planes} planes x {n} ids")
-        self._queue.append((ids.to(self.device), grad[:, :n].detach()))
+        if self.fixed:
+            self._accumulate(ids.to(self.device), grad[:, :n].detach())
+        else:
+            self._queue.append((ids.to(self.device), grad[:, :n].detach()))
+
+    def _buffers(self) -> tuple[Tensor, Tensor]:
+        if self._grad is None:
+            rows = self.tokens_per_rank * self.world + SCRATCH_ROWS
+            self._grad = torch.zeros(self.planes, rows, self.dim, dtype=torch.float32, device=self.device)
+            self._touched = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        return self._grad, self._touched
+
+    @torch.no_grad()
+    def _accumulate(self, ids: Tensor, grad: Tensor) -> None:
+        """Add a padded compact gradient into the cycle buffer (no host sync).
+
+        The real ids of one micro-batch are unique, so each buffer row gets at most one term
+        per call, in push order (the reference merge's order). The padding entries (gradient
+        zero: no token reads them) are dealt round ``SCRATCH_ROWS`` rows past the owners' blocks,
+        so their atomic adds do not pile up on one row.
+        """
+        buf, touched = self._buffers()
+        blocks = self.tokens_per_rank * self.world
+        spread = blocks + torch.arange(ids.numel(), device=ids.device) % SCRATCH_ROWS
+        target = torch.where(ids < self.vocab, ids, spread)
+        buf.index_add_(1, target, grad.to(buf.dtype))
+        touched.index_fill_(0, target, True)
+        self._pending = True
 
     def merged_gradient(self) -> tuple[Tensor, Tensor]:
-        if self.fixed and self._queue:
-            # A cycle's queue holds min(T, V) ids per micro-batch, but at most V of them are distinct:
-            # V + 1 slots hold them and the padding (32 x 16,384 queued ids against 50,304 at stage 0 of
-            # the one-GPU config: a tenth of the rows for the merge, the exchange and the Adam update).
-            capacity = min(sum(ids.numel() for ids, _ in self._queue), self.vocab + 1)
-            ids, grads = merge_compact_fixed(self._queue, self.sentinel, row_dim=1, capacity=capacity)
-        else:
-            ids, grads = merge_compact(self._queue, (self.planes, 0, self.dim), self.device, row_dim=1)
+        """This rank's cycle gradient so far: (sorted unique ids, fp32 ``[P, U, D]``).
+
+        For checkpoints and inspection: with the fixed exchange it reads the touched ids on the
+        host; the event itself never calls it there.
+        """
+        if self.fixed:
+            if not self._pending:
+                return (torch.zeros(0, dtype=torch.long, device=self.device),
+                        torch.zeros(self.planes, 0, self.dim, dtype=torch.float32, device=self.device))
+            buf, touched = self._buffers()
+            ids = touched[: self.vocab].nonzero().flatten()
+            return ids, buf.index_select(1, ids)
+        ids, grads = merge_compact(self._queue, (self.planes, 0, self.dim), self.device, row_dim=1)
         self._queue = [(ids, grads)] if ids.numel() else []
         return ids, grads
 
@@ -132,27 +174,52 @@ class ValueEmbedShard:
     @torch.no_grad()
     def step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
         """One event: owners merge the cycle's rows, run Adam over their block, share it. Collective."""
-        ids, grads = self.merged_gradient()
-        rows = (ids[:, None] * self.planes + torch.arange(self.planes, device=ids.device)).reshape(-1)
-        values = grads.permute(1, 0, 2).reshape(-1, self.dim)
         blocks = [table.data[self.lo : self.hi] for table in self.params]
-        if self.fixed and ids.numel():
-            local, merged = self.exchange.reduce_to_owners_fixed(rows, values, self.grad_wire_dtype)
+        if self.fixed:
+            grad = self._owned_gradient()
             if self.world > 1:
-                merged.div_(self.world)
-            # local = token·P + plane; the padding (the exchange's scratch row) goes to the state's scratch row
-            own = self.hi - self.lo
-            flat = torch.where(local < own * self.planes, (local % self.planes) * own + local // self.planes,
-                               torch.full_like(local, own * self.planes))
-            self.adam.update_rows_(blocks, flat, merged, lr, betas, eps, weight_decay)
+                grad.div_(self.world)
+            self.adam.update_dense_(blocks, grad, lr, betas, eps, weight_decay)
+            if self._grad is not None:
+                self._grad.zero_()
+                self._touched.zero_()
+            self._pending = False
         else:
+            ids, grads = self.merged_gradient()
+            rows = (ids[:, None] * self.planes + torch.arange(self.planes, device=ids.device)).reshape(-1)
+            values = grads.permute(1, 0, 2).reshape(-1, self.dim)
             local, merged = self.exchange.reduce_to_owners(rows, values, self.grad_wire_dtype)
             if self.world > 1:
                 merged.div_(self.world)
             self.adam.update_(blocks, local % self.planes, local // self.planes, merged, lr, betas, eps, weight_decay)
-        self._queue = []
+            self._queue = []
         if self.world > 1:
             self._share_blocks()
+
+    def _owned_gradient(self) -> Tensor:
+        """The cycle gradient of this rank's token block summed over ranks: fp32 ``[P, hi - lo, D]``.
+
+        Every rank sends each owner that owner's block of its cycle buffer (equal blocks, one
+        ``all_to_all``; in ``grad_wire_dtype`` if set). The owner adds its own block (never cast)
+        and then the peers' in rank order, as ``RowExchange.reduce_to_owners`` does.
+        """
+        buf, _ = self._buffers()
+        c, own = self.tokens_per_rank, self.hi - self.lo
+        mine = buf[:, self.rank * c : self.rank * c + own]
+        if self.world == 1:
+            return mine
+        wire = self.grad_wire_dtype or buf.dtype
+        send = buf[:, : self.world * c].unflatten(1, (self.world, c)).transpose(0, 1).to(wire).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.exchange.group)
+        peer = send[0].numel() * send.element_size() * (self.world - 1)
+        self.exchange.bytes_sent["push_values"] += peer
+        self.exchange.bytes_received["push_values"] += peer
+        total = mine.clone()
+        for r in range(self.world):
+            if r != self.rank:
+                total.add_(recv[r, :, :own].float())
+        return total
 
     def _share_blocks(self) -> None:
         c = self.tokens_per_rank
@@ -171,19 +238,20 @@ class ValueEmbedShard:
 
     def pristine(self) -> bool:
         """No event has run and nothing is queued (the tables themselves belong to the model)."""
-        return self.step_count == 0 and not self._queue
+        return self.step_count == 0 and not self._queue and not self._pending
 
     @torch.no_grad()
     def reset_(self) -> None:
         """Drop the Adam state and queued gradients (the tables belong to the model)."""
         self.adam.reset_()
         self._queue = []
+        if self._grad is not None:
+            self._grad.zero_()
+            self._touched.zero_()
+        self._pending = False
 
     def state_dict(self) -> dict[str, Any]:
-        ids, grads = self.merged_gradient()
-        if self.fixed:  # the checkpoint holds the real ids only (a host sync is fine here)
-            n = int((ids < self.sentinel).sum())
-            ids, grads = ids[:n], grads[:, :n]
+        ids, grads = self.merged_gradient()  # the real ids only (with the fixed exchange, a host read)
         return {"format": STATE_FORMAT, "world_size": self.world, "rank": self.rank, **self.adam.state_dict(),
                 "pending_ids": ids, "pending_grad": grads}
 
@@ -195,6 +263,12 @@ class ValueEmbedShard:
             )
         self.adam.load_state_dict(state, self.device)
         ids, grads = state["pending_ids"].to(self.device), state["pending_grad"].to(self.device)
-        if self.fixed:
-            ids, grads = pad_to_common(ids, grads, self.sentinel, self.exchange.group, row_dim=1)
-        self._queue = [(ids, grads)] if ids.numel() else []
+        self._queue = []
+        if self._grad is not None:
+            self._grad.zero_()
+            self._touched.zero_()
+        self._pending = False
+        if ids.numel() and self.fixed:
+            self._accumulate(ids, grads)
+        elif ids.numel():
+            self._queue = [(ids, grads)]

@@ -23,8 +23,10 @@ same per-event bias correction) while reading and writing only the touched rows
 (``tests/test_sparse_adam.py`` checks it in fp64).
 
 **Shard Adam for value embeddings** (RECORD §5): ordinary Adam (β₁ = 0.75) over the rows
-a rank owns; β₁ > 0 moves rows without gradient, so every owned row is updated, but
-the gradient terms are added only at the touched rows (no dense gradient buffer).
+a rank owns; β₁ > 0 moves rows without gradient, so every owned row is updated. With the
+reference exchange the gradient terms are added only at the touched rows; the fixed
+exchange hands over the whole block's gradient from its cycle buffer (zero where
+untouched), which gives the same numbers.
 
 :class:`SparseAdam` is the ``sparse`` part of the
 :class:`~nanogpt_pl.optim.combined.CombinedOptimizer`: its param groups carry lr,
@@ -247,6 +249,25 @@ class ShardAdam:
         _add_moments_(self._flat_avg, self._flat_avg_sq, flat_rows, grad, betas)
         for p, block in enumerate(blocks):
             _apply_moments_(block, self.exp_avg[p], self.exp_avg_sq[p], self.step, lr, betas, eps, weight_decay)
+
+    @torch.no_grad()
+    def update_dense_(self, blocks: list[Tensor], grad: Tensor, lr: float, betas: tuple[float, float], eps: float,
+                      weight_decay: float) -> None:
+        """:meth:`update_` with the whole block's gradient ``[planes, rows, D]`` (zero where untouched).
+
+        The same numbers as :meth:`update_` and :meth:`update_rows_`: an untouched row's moments
+        get ``β·m + (1-β)·0 = β·m``, a touched row's the same operations in the same order.
+        """
+        self._ensure_state(blocks[0].device)
+        self.step += 1
+        beta1, beta2 = betas
+        for p, block in enumerate(blocks):
+            m, v, g = self.exp_avg[p], self.exp_avg_sq[p], grad[p]
+            for a in range(0, m.shape[0], DENSE_CHUNK_ROWS):
+                ga = g[a:a + DENSE_CHUNK_ROWS]
+                m[a:a + DENSE_CHUNK_ROWS].mul_(beta1).add_(ga, alpha=1 - beta1)
+                v[a:a + DENSE_CHUNK_ROWS].mul_(beta2).add_(ga * ga, alpha=1 - beta2)
+            _apply_moments_(block, m, v, self.step, lr, betas, eps, weight_decay)
 
     def reset_(self) -> None:
         self.exp_avg = self.exp_avg_sq = None
