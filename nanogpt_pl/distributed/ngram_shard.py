@@ -46,6 +46,7 @@ from .row_exchange import (
     merge_compact,
     merge_compact_fixed,
     pad_to_common,
+    segments_fixed,
     unique_fixed,
 )
 from .side_files import STATE_FORMAT
@@ -172,6 +173,18 @@ class NgramShard:
                 f"the n-gram table's lazy row Adam needs beta1 = 0 (RECORD §4), got betas={tuple(betas)}; "
                 "set model.optim.ngram.betas to [0.0, beta2]"
             )
+        if self.fixed and self.world == 1 and self._queue:
+            # one rank: no exchange, so the merge folds into the update (each row sums its own
+            # terms from the sorted queue; no merged buffer, no atomics)
+            rows = torch.cat([r for r, _ in self._queue])
+            src = torch.cat([g for _, g in self._queue])
+            seg = segments_fixed(rows, rows.numel(), self.exchange.sentinel)
+            local = torch.where(seg.unique < self.exchange.stop, seg.unique - self.start,
+                                torch.full_like(seg.unique, self.exchange.scratch))
+            self.adam.update_segments_(self._rows, local, src, seg.order, seg.offsets, seg.slot, lr=lr,
+                                       beta2=betas[1], eps=eps, weight_decay=weight_decay)
+            self._queue = []
+            return
         rows, grads = self.merged_gradient()
         reduce = self.exchange.reduce_to_owners_fixed if self.fixed and rows.numel() else self.exchange.reduce_to_owners
         local, merged = reduce(rows, grads, self.grad_wire_dtype)
@@ -197,7 +210,7 @@ class NgramShard:
     def reset_(self) -> None:
         """Zero the table and its Adam state (a fresh start, e.g. after untimed warmup steps)."""
         self.weight.zero_()
-        self.adam = LazyRowAdam(self.rows_per_rank, self.device, self.adam.dtype)
+        self.adam = LazyRowAdam(self.rows_per_rank, self.device, self.adam.dtype, self.adam.fused)
         self._queue = []
 
     def state_dict(self) -> dict[str, Any]:

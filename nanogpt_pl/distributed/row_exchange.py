@@ -37,7 +37,7 @@ Two exchanges do this:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -305,6 +305,38 @@ def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tens
     inverse = torch.empty_like(segment)
     inverse.scatter_(0, order, segment)
     return unique, inverse
+
+
+class Segments(NamedTuple):
+    """A padded list's entries grouped by value (:func:`segments_fixed`)."""
+
+    unique: Tensor  # [capacity] sorted distinct real values, then ``fill``
+    order: Tensor  # [M] entry positions sorted by value, stable (so each group keeps input order)
+    offsets: Tensor  # [capacity + 1]: unique[i]'s entries are order[offsets[i]:offsets[i + 1]]; empty for fill
+    slot: Tensor  # [M] slot of each entry of ``order`` (``capacity`` for fill entries)
+
+
+def segments_fixed(values: Tensor, capacity: int, fill: int) -> Segments:
+    """Group 1-D ``values`` by value into ``capacity`` slots, without a device -> host sync.
+
+    The merge of a padded queue without a merged buffer: a consumer sums each slot's
+    entries itself (``nanogpt_pl.ops.triton.row_adam`` does, in the order given). ``fill``
+    entries belong to no slot; ``fill`` must exceed every real value and ``capacity`` be at
+    least the number of distinct real values.
+    """
+    sorted_, order = torch.sort(values, stable=True)
+    real = sorted_ != fill
+    new = real.clone()
+    new[1:] &= sorted_[1:] != sorted_[:-1]
+    slot = torch.where(real, torch.cumsum(new, 0) - 1, capacity)
+    dump = torch.full_like(slot, capacity + 1)
+    first = torch.where(new, slot, dump)  # a group's first entry marks where its slot starts
+    # every slot starts (and an empty one also ends) after the last real entry, unless marked
+    offsets = real.sum().expand(capacity + 2).clone()
+    offsets.scatter_(0, first, torch.arange(values.numel(), device=values.device))
+    unique = torch.full((capacity + 2,), fill, dtype=values.dtype, device=values.device)
+    unique.scatter_(0, first, sorted_)
+    return Segments(unique[:capacity], order, offsets[: capacity + 1], slot)
 
 
 def merge_compact_fixed(entries: list[tuple[Tensor, Tensor]], fill: int, row_dim: int = 0,

@@ -46,6 +46,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
+from ..ops.triton import triton_usable
+
 # RECORD §3 "LR multiplier 70" and §4/§5: the sparse channels' Adam settings.
 SPARSE_LR_MUL = 70.0
 NGRAM_BETA2 = 0.95  # RECORD §4: β₂ 0.95 (β₁ = 0 enforced)
@@ -68,11 +70,14 @@ class LazyRowAdam:
         num_rows: rows of the shard.
         device: where the state lives (the shard's device).
         dtype: dtype of the second moment and of the update arithmetic (fp32; fp64 in tests).
+        fused: run each event as one Triton kernel (``nanogpt_pl.ops.triton.row_adam``); None
+            (default) = wherever it can run (fp32 state on a GPU), False = always PyTorch.
     """
 
     def __init__(self, num_rows: int, device: Optional[torch.device] = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, fused: Optional[bool] = None) -> None:
         self.dtype = dtype
+        self.fused = fused
         # One scratch row past the shard (index ``num_rows``): the fixed-capacity exchange
         # points its padding there (``nanogpt_pl.distributed.row_exchange``), so an update of
         # a padded row list needs no data-dependent mask. ``v`` and ``last_event`` exclude it.
@@ -118,9 +123,12 @@ class LazyRowAdam:
             eps: added to √v.
             weight_decay: λ = weight_decay · wd_mul; the decay per event is η²·λ.
         """
-        j = self.event + 1
-        self._record_beta2(j, beta2)
-        self.event = j
+        if self._fused(table, grad):
+            n = rows.numel()
+            ident = torch.arange(n + 1, dtype=torch.int64, device=rows.device)
+            self._fused_update_(table, rows, grad, ident[:n], ident, lr, beta2, eps, weight_decay)
+            return
+        j = self._begin_event(beta2)
         for a in range(0, rows.numel(), SPARSE_CHUNK_ROWS):
             r, gr = rows[a:a + SPARSE_CHUNK_ROWS], grad[a:a + SPARSE_CHUNK_ROWS]
             p = table.index_select(0, r).to(self.dtype)
@@ -133,6 +141,47 @@ class LazyRowAdam:
             table.index_copy_(0, r, p.sub_(u).to(table.dtype))
             self._v.index_copy_(0, r, v)
             self._last_event.index_fill_(0, r, j)
+
+    @torch.no_grad()
+    def update_segments_(self, table: Tensor, rows: Tensor, src: Tensor, order: Tensor, offsets: Tensor,
+                         slot: Tensor, lr: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """:meth:`update_` with the merge folded in: ``rows[i]``'s gradient is the sum of
+        ``src[order[offsets[i]:offsets[i+1]]]`` in that order (``row_exchange.segments_fixed``;
+        ``slot`` gives each entry of ``order`` its ``i``, ``len(rows)`` for entries of no row).
+
+        On a GPU one Triton kernel sums each row's terms and updates it (no merged buffer, no
+        atomics); elsewhere the terms are summed into a buffer and :meth:`update_` runs.
+        """
+        if self._fused(table, src):
+            self._fused_update_(table, rows, src, order, offsets, lr, beta2, eps, weight_decay)
+            return
+        merged = torch.zeros(rows.numel() + 1, src.shape[-1], dtype=torch.float32, device=src.device)
+        merged.index_add_(0, slot, src.index_select(0, order).float())
+        self.update_(table, rows, merged[:-1], lr, beta2, eps, weight_decay)
+
+    def _begin_event(self, beta2: float) -> int:
+        j = self.event + 1
+        self._record_beta2(j, beta2)
+        self.event = j
+        return j
+
+    def _fused(self, table: Tensor, src: Tensor) -> bool:
+        """Whether the Triton kernel runs this event (fp32 state on a device it can run on)."""
+        if self.fused is False:
+            return False
+        return (self.dtype == torch.float32 and triton_usable(table.device) and src.is_contiguous()
+                and table.is_contiguous())
+
+    def _fused_update_(self, table: Tensor, rows: Tensor, src: Tensor, order: Tensor, offsets: Tensor, lr: float,
+                       beta2: float, eps: float, weight_decay: float) -> None:
+        from ..ops.triton.row_adam import lazy_row_adam_
+
+        j = self._begin_event(beta2)
+        # the decay owed by a row last stamped at event e, for every e < j (the reference's numbers)
+        decay = self.decay_since(torch.arange(j, dtype=torch.int32, device=table.device), j)
+        lazy_row_adam_(table, self._v, self._last_event, rows, src, order, offsets, decay,
+                       scratch=self._v.numel() - 1, event=j, beta2=beta2, step_size=lr * math.sqrt(1 - beta2**j),
+                       eps=eps, decay_wd=lr * lr * weight_decay)
 
     @torch.no_grad()
     def replay_all_(self) -> None:

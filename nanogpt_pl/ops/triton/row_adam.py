@@ -1,0 +1,93 @@
+"""The n-gram table's lazy row-wise Adam event as one Triton kernel.
+
+``nanogpt_pl.optim.sparse_adam.LazyRowAdam.update_`` in PyTorch runs a dozen full passes
+over the event's rows (gather, cast, square, mean, divide, decay mask, update, scatter,
+for the table row, its second moment and its stamp). Here one program takes one output
+row: it sums that row's gradient terms (a segment of the sorted queue, so the merge needs
+no buffer and no atomics), replays the second-moment decay of the events the row slept
+through (a table indexed by its last event), updates the moment and the bf16 table row
+in place and stamps the row. Padding rows (the shard's scratch row) do nothing.
+
+A row's terms are added in the order ``order`` lists them (the queue order, as the
+reference merge adds them); the row mean of ``g²`` is a tree sum, so the second moment can
+differ from PyTorch's in the last bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nanogpt_pl.ops.triton import interpret_mode
+
+# The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even. Under the
+# interpreter the kernel rounds the fp32 bits itself first, so the cast sees bf16 values.
+_ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), still in fp32 (finite ``x``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, order_ptr, offsets_ptr, decay_ptr,
+                          D, stride_table, stride_src, scratch, event, beta2, one_minus_beta2, step_size, eps,
+                          decay_wd, BLOCK_D: tl.constexpr):
+    slot = tl.program_id(0)
+    row = tl.load(rows_ptr + slot)
+    if row != scratch:
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        start = tl.load(offsets_ptr + slot)
+        stop = tl.load(offsets_ptr + slot + 1)
+        g = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in range(start, stop):
+            s = tl.load(order_ptr + j).to(tl.int64)
+            g += tl.load(src_ptr + s * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        row64 = row.to(tl.int64)
+        slept = tl.load(last_ptr + row64)
+        v = tl.load(v_ptr + row64) * tl.load(decay_ptr + slept)
+        v = beta2 * v + one_minus_beta2 * (tl.sum(g * g, axis=0) / D)
+        u = g / (tl.sqrt(v) + eps) * step_size
+        p_ptrs = table_ptr + row64 * stride_table + cols
+        p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u += tl.where(u * p > 0, p * decay_wd, 0.0)
+        p = p - u
+        if _ROUND_BEFORE_CAST and table_ptr.dtype.element_ty == tl.bfloat16:
+            p = _round_to_bf16(p)
+        tl.store(p_ptrs, p.to(table_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + row64, v)
+        tl.store(last_ptr + row64, event)
+
+
+def lazy_row_adam_(table: Tensor, v: Tensor, last_event: Tensor, rows: Tensor, src: Tensor, order: Tensor,
+                   offsets: Tensor, decay: Tensor, scratch: int, event: int, beta2: float, step_size: float,
+                   eps: float, decay_wd: float) -> None:
+    """One lazy row-Adam event over ``rows`` (see the module docstring); updates in place.
+
+    Args:
+        table: ``[R (+1), D]`` the shard (bf16 or fp32), rows contiguous.
+        v: ``[R (+1)]`` fp32 second moments; ``last_event``: ``[R (+1)]`` int32 stamps.
+        rows: ``[N]`` unique local rows, ``scratch`` for padding.
+        src: ``[M, D]`` gradient terms (fp32 or bf16); ``order``: ``[M']`` indices into ``src``;
+            ``offsets``: ``[N + 1]``: row ``rows[i]`` sums ``src[order[offsets[i]:offsets[i+1]]]``.
+        decay: ``[event]`` fp32, the second-moment decay of a row last stamped at each event.
+        step_size: lr·√(1 - β₂ʲ); ``decay_wd``: lr²·λ (0 for none).
+    """
+    n, d = rows.numel(), table.shape[-1]
+    if n == 0:
+        return
+    if table.stride(-1) != 1 or src.stride(-1) != 1 or src.shape[-1] != d:
+        raise ValueError(f"lazy_row_adam_: rows must be contiguous and of width {d}")
+    if v.dtype != torch.float32 or last_event.dtype != torch.int32 or decay.dtype != torch.float32:
+        raise ValueError("lazy_row_adam_: fp32 second moments and decay, int32 stamps")
+    _lazy_row_adam_kernel[(n,)](
+        table, v, last_event, rows, src, order, offsets, decay, d, table.stride(0), src.stride(0), scratch, event,
+        beta2, 1.0 - beta2, step_size, eps, decay_wd, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+    )
