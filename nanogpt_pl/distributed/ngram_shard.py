@@ -37,7 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..model.embeddings import NgramInput, check_ngram_rows, compact_rows, ngram_row_ids, ngram_sign_rows, padded_leaf
+from ..model.embeddings import (
+    NgramInput,
+    check_ngram_rows,
+    compact_rows,
+    gather_rows_,
+    ngram_row_ids,
+    ngram_sign_rows,
+    padded_leaf,
+)
 from ..optim.sparse_adam import LazyRowAdam
 from .row_exchange import (
     EXCHANGES,
@@ -145,7 +153,13 @@ class NgramShard:
             index = index.view(row_ids.shape)
         else:
             unique, index = compact_rows(row_ids, pad_to)
-        values = padded_leaf(self.pull(unique, fixed), pad_to, leaf_dtype).requires_grad_(requires_grad)
+        if fixed and self.world == 1:
+            # one rank reads its own shard: the fp32 leaf straight from the table (zeros at the padding)
+            values = torch.empty(unique.numel(), self.dim, dtype=leaf_dtype, device=self.device)
+            gather_rows_(values, self.weight, unique.to(self.device) - self.start, self.rows_per_rank)
+            values.requires_grad_(requires_grad)
+        else:
+            values = padded_leaf(self.pull(unique, fixed), pad_to, leaf_dtype).requires_grad_(requires_grad)
         return NgramInput(values=values, index=index, sign_rows=ngram_sign_rows(input_ids), rows=unique)
 
     # -- event ---------------------------------------------------------------------

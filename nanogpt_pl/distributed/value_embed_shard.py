@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..model.embeddings import CompactRows, compact_rows, padded_leaf
+from ..model.embeddings import CompactRows, compact_rows, gather_rows_, padded_leaf
 from ..optim.sparse_adam import ShardAdam
 from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, unique_fixed
 from .side_files import STATE_FORMAT
@@ -101,11 +101,12 @@ class ValueEmbedShard:
                 raise ValueError(f"pad_to={pad_to} is below the {bound} ids a batch of {input_ids.numel()} tokens "
                                  "can hold; the fixed value-embedding exchange needs room for all of them")
             ids, index = unique_fixed(input_ids.long().reshape(-1), pad_to or bound, self.sentinel)
-            index = index.view(input_ids.shape)
-            real = (ids < self.vocab).unsqueeze(-1)
-            safe = ids.clamp(max=self.vocab - 1)
-            zero = torch.zeros((), dtype=self.params[0].dtype, device=ids.device)
-            values = torch.stack([torch.where(real, t.detach().index_select(0, safe), zero) for t in self.params])
+            # the leaf itself, written plane by plane (zeros at the padding), no stack or cast after
+            values = torch.empty(self.planes, ids.numel(), self.dim, dtype=leaf_dtype, device=ids.device)
+            for p, table in enumerate(self.params):
+                gather_rows_(values[p], table.detach(), ids, self.vocab)
+            return CompactRows(values=values.requires_grad_(requires_grad), index=index.view(input_ids.shape),
+                               ids=ids)
         else:
             ids, index = compact_rows(input_ids.long(), pad_to)
             values = torch.stack([t.detach().index_select(0, ids) for t in self.params])

@@ -181,6 +181,24 @@ def padded_leaf(values: Tensor, pad_to: Optional[int] = None, dtype: torch.dtype
     return values.contiguous().requires_grad_(True)
 
 
+def gather_rows_(out: Tensor, table: Tensor, ids: Tensor, limit: int, fused: Optional[bool] = None) -> Tensor:
+    """``out[i] = table[ids[i]]`` for ``0 <= ids[i] < limit`` and 0 for the padding, in ``out``'s dtype.
+
+    The fixed exchange's leaves are gathered this way (padded id lists, fp32 leaves). On a GPU
+    one Triton pass does it (``nanogpt_pl.ops.triton.gather_rows``); ``fused=False`` (or a
+    device the kernel cannot run on) takes this PyTorch reference.
+    """
+    from ..ops.triton import triton_usable
+
+    if fused is not False and triton_usable(out.device) and table.stride(-1) == 1 and out.stride(-1) == 1:
+        from ..ops.triton.gather_rows import gather_rows_triton_
+
+        return gather_rows_triton_(out, table, ids, limit)
+    real = ((ids >= 0) & (ids < limit)).unsqueeze(-1)
+    rows = table.index_select(0, ids.clamp(min=0, max=limit - 1))
+    return out.copy_(torch.where(real, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)))
+
+
 @dataclass
 class NgramInput:
     """The n-gram rows one micro-batch reads (built by the caller; see the module docstring).

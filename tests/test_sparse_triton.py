@@ -1,4 +1,9 @@
-"""The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
+"""The sparse channels' Triton kernels against their PyTorch references.
+
+The row gather (``nanogpt_pl.ops.triton.gather_rows``): table rows at padded ids into an
+fp32 leaf, zeros at the padding; a copy and a cast, so it must equal the reference bit for bit.
+
+The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
 
 Both run the same events on the same shard: padded queues whose entries repeat rows (so
 each row sums several terms), a β₂ change between events (the decay replay crosses
@@ -19,6 +24,7 @@ import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 from nanogpt_pl.distributed.row_exchange import segments_fixed
+from nanogpt_pl.model.embeddings import gather_rows_
 from nanogpt_pl.optim.sparse_adam import LazyRowAdam
 
 BETA2S = (0.95, 0.95, 0.9025, 0.9025)  # RECORD §4-§5: β₂ 0.95, squared when the cadence engages
@@ -102,3 +108,30 @@ def test_fused_event_matches_pytorch_on_the_gpu(seed):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     check_fused_against_pytorch("cuda", 1 << 22, 768, torch.bfloat16, 32, 2 * 16_384, seed)
+
+
+def check_gather(device: str, rows: int, dim: int, n: int, table_dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    table = torch.randn(rows, dim, generator=gen).to(device=device, dtype=table_dtype)
+    # real ids, the padding sentinel and ids past the limit (rows of another owner): zeros
+    ids = torch.randint(0, rows + rows // 4, (n,), generator=gen).to(device)
+    limit = rows - rows // 8
+    got = gather_rows_(torch.full((n, dim), float("nan"), device=device), table, ids, limit)
+    want = gather_rows_(torch.empty(n, dim, device=device), table, ids, limit, fused=False)
+    assert torch.equal(got, want)
+    pad = ids >= limit
+    assert bool(pad.any()) and bool((got[pad] == 0).all()) and torch.equal(got[~pad], table[ids[~pad]].float())
+
+
+@interp
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [48, 300])  # one partial column block; two blocks of 256
+def test_gather_rows_matches_pytorch(table_dtype, dim):
+    check_gather("cpu", 70, dim, 37, table_dtype, seed=dim)
+
+
+@pytest.mark.cuda
+def test_gather_rows_matches_pytorch_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_gather("cuda", 50_304, 768, 49_152, torch.bfloat16, seed=7)  # a value-embedding plane, stage-2 ids
