@@ -359,7 +359,9 @@ class StepGraphs:
         leaves = [v for _, v in pairs if v.requires_grad]
         for v, g in zip(leaves, entry.static_grads):
             if g is not None:
-                v.grad = g.clone()  # the next replay overwrites the static gradient
+                # the static buffer itself (the next replay of this key overwrites it): the sparse
+                # channels take it right after the micro-batch, and those that keep it copy it
+                v.grad = g
         return entry.static_loss.clone()
 
     def _capture(self, key: Any, entry: _Entry, inputs: Any, forward, backward) -> Tensor:

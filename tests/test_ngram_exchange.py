@@ -444,3 +444,22 @@ def test_fixed_value_embeddings_add_each_micro_batch_into_one_cycle_buffer(seed:
     assert not ve.pristine()
     SparseAdam({"value_embeds": ve}).step()
     assert ve.merged_gradient()[0].numel() == 0 and bool((ve._grad == 0).all()) and ve.step_count == 1
+
+
+@pytest.mark.parametrize("exchange", ["reference", "fixed"])
+def test_pushed_gradients_survive_the_caller_reusing_its_buffer(exchange: str) -> None:
+    """Under CUDA graphs a leaf's gradient is the graph's static buffer, overwritten by the next
+    replay; what the channels keep from a push must not change when that buffer does."""
+    merged = []
+    for overwrite in (False, True):
+        gen = torch.Generator().manual_seed(41)
+        c = Channels(exchange, None, None, seed=41)
+        ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+        _, inputs = c.forward(ids, torch.randn(TOKENS, 3, generator=gen))
+        c.channels.push_grads(inputs)
+        if overwrite:  # the next replay writes its gradient here
+            inputs["ngram"].values.grad.fill_(123.0)
+            inputs["value_rows"].values.grad.fill_(123.0)
+        merged.append([c.channels.channels()[name].merged_gradient() for name in ("ngram", "value_embeds")])
+    for (rows, grads), (got_rows, got_grads) in zip(*merged):
+        assert torch.equal(got_rows, rows) and torch.equal(got_grads, grads)

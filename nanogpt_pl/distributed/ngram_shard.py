@@ -132,7 +132,8 @@ class NgramShard:
         n = rows.numel()
         if grad.shape[0] < n or grad.shape[-1] != self.dim:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} for {n} rows of width {self.dim}")
-        self._queue.append((rows.to(self.device), grad[:n].detach()))
+        # a copy: under CUDA graphs the gradient is the graph's buffer, which the next replay overwrites
+        self._queue.append((rows.to(self.device), grad[:n].detach().clone()))
 
     def prepare(self, input_ids: Tensor, requires_grad: bool = True, pad_to: Optional[int] = None,
                 leaf_dtype: torch.dtype = torch.float32) -> NgramInput:

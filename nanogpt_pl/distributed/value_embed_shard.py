@@ -124,7 +124,8 @@ class ValueEmbedShard:
         if self.fixed:
             self._accumulate(ids.to(self.device), grad[:, :n].detach())
         else:
-            self._queue.append((ids.to(self.device), grad[:, :n].detach()))
+            # a copy: under CUDA graphs the gradient is the graph's buffer, which the next replay overwrites
+            self._queue.append((ids.to(self.device), grad[:, :n].detach().clone()))
 
     def _buffers(self) -> tuple[Tensor, Tensor]:
         if self._grad is None:
