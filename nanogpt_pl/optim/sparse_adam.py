@@ -258,10 +258,13 @@ class ShardAdam:
         planes: tables sharing the block (the value-embedding planes).
         rows: rows of the block this rank owns.
         dim: row width.
+        fused: run :meth:`update_dense_` as one Triton pass a plane; None (default) = wherever it
+            can run (a GPU), False = always PyTorch.
     """
 
-    def __init__(self, planes: int, rows: int, dim: int) -> None:
+    def __init__(self, planes: int, rows: int, dim: int, fused: Optional[bool] = None) -> None:
         self.shape = (planes, rows, dim)
+        self.fused = fused
         self.exp_avg: Optional[Tensor] = None
         self.exp_avg_sq: Optional[Tensor] = None
         self.step = 0
@@ -305,11 +308,22 @@ class ShardAdam:
         """:meth:`update_` with the whole block's gradient ``[planes, rows, D]`` (zero where untouched).
 
         The same numbers as :meth:`update_` and :meth:`update_rows_`: an untouched row's moments
-        get ``β·m + (1-β)·0 = β·m``, a touched row's the same operations in the same order.
+        get ``β·m + (1-β)·0 = β·m``, a touched row's the same operations in the same order. On a
+        GPU one Triton pass a plane does it (``nanogpt_pl.ops.triton.row_adam.dense_adam_``, the
+        same formulas, fp32 rounding may differ) and leaves ``grad`` zeroed; the caller zeroes it
+        anyway for the next cycle.
         """
         self._ensure_state(blocks[0].device)
         self.step += 1
         beta1, beta2 = betas
+        if self.fused is not False and triton_usable(grad.device):
+            from ..ops.triton.row_adam import dense_adam_
+
+            step_size = lr * math.sqrt(1 - beta2**self.step) / (1 - beta1**self.step)
+            for p, block in enumerate(blocks):  # one pass a plane; the gradient is left zeroed
+                dense_adam_(block, self.exp_avg[p], self.exp_avg_sq[p], grad[p], beta1, beta2, step_size, eps,
+                            lr * lr * weight_decay)
+            return
         for p, block in enumerate(blocks):
             m, v, g = self.exp_avg[p], self.exp_avg_sq[p], grad[p]
             for a in range(0, m.shape[0], DENSE_CHUNK_ROWS):

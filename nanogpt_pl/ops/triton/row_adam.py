@@ -1,4 +1,6 @@
-"""The n-gram table's lazy row-wise Adam event as one Triton kernel.
+"""The sparse channels' Adam events as Triton kernels: the n-gram rows, the value-embedding block.
+
+**n-gram rows** (:func:`lazy_row_adam_`).
 
 ``nanogpt_pl.optim.sparse_adam.LazyRowAdam.update_`` in PyTorch runs a dozen full passes
 over the event's rows (gather, cast, square, mean, divide, decay mask, update, scatter,
@@ -11,6 +13,12 @@ in place and stamps the row. Padding rows (the shard's scratch row) do nothing.
 A row's terms are added in the order ``order`` lists them (the queue order, as the
 reference merge adds them); the row mean of ``g²`` is a tree sum, so the second moment can
 differ from PyTorch's in the last bits.
+
+**Value-embedding block** (:func:`dense_adam_`). With the fixed exchange the owner holds its
+block's whole cycle gradient, so its Adam (``ShardAdam.update_dense_``: moments, update,
+cautious decay) is elementwise: one pass reads the gradient, both moments and the bf16 table
+and writes them back, and zeroes the gradient for the next cycle, where PyTorch makes about
+fifteen passes and a separate zeroing.
 """
 
 from __future__ import annotations
@@ -91,3 +99,43 @@ def lazy_row_adam_(table: Tensor, v: Tensor, last_event: Tensor, rows: Tensor, s
         table, v, last_event, rows, src, order, offsets, decay, d, table.stride(0), src.stride(0), scratch, event,
         beta2, 1.0 - beta2, step_size, eps, decay_wd, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
     )
+
+
+@triton.jit
+def _dense_adam_kernel(p_ptr, m_ptr, v_ptr, g_ptr, n, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                       eps, decay_wd, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + one_minus_beta1 * g
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_minus_beta2 * (g * g)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = m / (tl.sqrt(v) + eps) * step_size
+    u += tl.where(u * p > 0, p * decay_wd, 0.0)
+    p = p - u
+    if _ROUND_BEFORE_CAST and p_ptr.dtype.element_ty == tl.bfloat16:
+        p = _round_to_bf16(p)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(g_ptr + offs, tl.zeros_like(g), mask=mask)
+
+
+def dense_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, beta1: float, beta2: float,
+                step_size: float, eps: float, decay_wd: float) -> None:
+    """Adam over every element of ``param`` with ``grad``, then ``grad`` zeroed; all contiguous, same shape.
+
+    ``step_size`` = lr·√(1-β₂ᵗ)/(1-β₁ᵗ); ``decay_wd`` = lr²·λ (cautious: only where the update and the
+    parameter agree in sign).
+    """
+    n = param.numel()
+    for t in (exp_avg, exp_avg_sq, grad):
+        if t.shape != param.shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("dense_adam_: fp32 moments and gradient, contiguous, of the parameter's shape")
+    if not param.is_contiguous():
+        raise ValueError("dense_adam_: the parameter must be contiguous")
+    if n:
+        block = 1024
+        _dense_adam_kernel[(triton.cdiv(n, block),)](param, exp_avg, exp_avg_sq, grad, n, beta1, 1.0 - beta1, beta2,
+                                                      1.0 - beta2, step_size, eps, decay_wd, BLOCK=block,
+                                                      num_warps=4)
