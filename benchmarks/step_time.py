@@ -17,7 +17,8 @@ ahead as it is in a long run) and one after the last; the GPU's idle time while 
 in it, the one-off filling of an empty queue is not. Where the queue was drained before the
 clock (a synchronize, as with ``--profile``), the first step's host work on the batch runs with
 the GPU idle and is on the clock (BENCHMARKS.md, "Steady-state timing" under "The amax atomics, ...").
-Without a GPU it is the host's wall time.
+Without a GPU it is the host's wall time. The plain loop freezes the garbage collector while its
+clock runs, as ``SpeedrunTimer`` does in training (a collection of the live heap costs tens of ms).
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
@@ -67,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
+from nanogpt_pl.capture import FrozenGC  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
 from nanogpt_pl.config_files import load_config  # noqa: E402
 
@@ -365,6 +367,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
     it = iter(stream)
     _reset_peak()
     clock = StreamClock()
+    frozen = FrozenGC()
     prof = cprof = None
     for step in range(warmup + steps):
         if step == warmup:
@@ -373,6 +376,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                                                           torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
                 _sync()  # the trace holds the timed steps only
+            frozen.pause()  # as in training: no garbage collection while the clock runs (SpeedrunTimer)
             clock.start()
             before = _graph_counts(module)
             if cprofile:
@@ -387,6 +391,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             module.apply_schedule(step)
         module.run_step(batch)
     seconds = clock.stop()
+    frozen.resume()
     after = _graph_counts(module)
     if cprof is not None:
         import pstats

@@ -38,18 +38,18 @@ def test_kernel_suite_under_interpreter():
 
 def run_events(device: str, rows: int, dim: int, table_dtype: torch.dtype, entries: int, per_entry: int,
                seed: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    table = (torch.randn(rows + 1, dim, generator=gen) * 0.02).to(device=device, dtype=table_dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used (GPU-sized queues)
+    table = (torch.randn(rows + 1, dim, generator=gen, device=device) * 0.02).to(table_dtype)
     start = table.clone()
     adam = LazyRowAdam(rows, torch.device(device), fused=fused)
     for event, (beta2, wd) in enumerate(zip(BETA2S, WEIGHT_DECAYS)):
         lr = 0.56 * (1.0 - 0.1 * event)
         # rows drawn from a growing part of the shard, so some rows sleep through events; padding = rows
         high = min(rows, (event + 1) * (rows // 3))
-        ids = [torch.randint(0, high, (per_entry,), generator=gen) for _ in range(entries)]
-        queue = [torch.where(torch.rand(per_entry, generator=gen) < 0.2, rows, i) for i in ids]
-        queued = torch.cat(queue).to(device)
-        src = torch.randn(queued.numel(), dim, generator=gen).to(device)
+        ids = [torch.randint(0, high, (per_entry,), generator=gen, device=device) for _ in range(entries)]
+        queue = [torch.where(torch.rand(per_entry, generator=gen, device=device) < 0.2, rows, i) for i in ids]
+        queued = torch.cat(queue)
+        src = torch.randn(queued.numel(), dim, generator=gen, device=device)
         if event == 1:  # a merged row list (one term per row) through update_
             merged_rows, inverse = torch.unique(queued, return_inverse=True)
             merged = torch.zeros(merged_rows.numel(), dim, device=device).index_add_(0, inverse, src)
