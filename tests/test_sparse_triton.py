@@ -3,6 +3,9 @@
 The row gather (``nanogpt_pl.ops.triton.gather_rows``): table rows at padded ids into an
 fp32 leaf, zeros at the padding; a copy and a cast, so it must equal the reference bit for bit.
 
+The scatter-add of a micro-batch's value-embedding gradient into the cycle buffer: one term
+per real row, the padding skipped, so it must equal ``index_add_`` bit for bit.
+
 The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
 
 Both run the same events on the same shard: padded queues whose entries repeat rows (so
@@ -203,3 +206,33 @@ def test_dense_adam_matches_pytorch_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     check_dense_adam("cuda", 4, 50_304, 768, torch.bfloat16, seed=4)  # RECORD §5's four planes
+
+
+def check_scatter_add(device: str, planes: int, rows: int, dim: int, n: int, seed: int) -> None:
+    from nanogpt_pl.distributed.row_exchange import unique_fixed
+    from nanogpt_pl.ops.triton.gather_rows import scatter_add_rows_triton_
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    limit = rows - rows // 8  # the vocabulary; the sentinel and the scratch rows lie past it
+    tokens = torch.randint(0, limit, (n,), generator=gen, device=device)
+    ids, _ = unique_fixed(tokens, n, limit)  # sorted unique ids, then the sentinel padding
+    buf = torch.randn(planes, rows, dim, generator=gen, device=device)
+    src = torch.randn(planes, n, dim, generator=gen, device=device)
+    got = scatter_add_rows_triton_(buf.clone(), ids, src, limit)
+    real = ids < limit
+    assert bool(real.any()) and bool((~real).any())
+    want = buf.clone().index_add_(1, ids[real], src[:, real])
+    assert torch.equal(got, want)
+
+
+@interp
+@pytest.mark.parametrize("dim", [48, 300])
+def test_scatter_add_rows_matches_index_add(dim):
+    check_scatter_add("cpu", 3, 80, dim, 50, seed=dim)
+
+
+@pytest.mark.cuda
+def test_scatter_add_rows_matches_index_add_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_scatter_add("cuda", 4, 50_304 + 1024, 768, 49_152, seed=9)  # a stage-2 micro-batch into the cycle buffer

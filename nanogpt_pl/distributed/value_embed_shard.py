@@ -29,13 +29,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..model.embeddings import CompactRows, compact_rows, gather_rows_, padded_leaf
+from ..ops.triton import triton_usable
 from ..optim.sparse_adam import ShardAdam
 from .row_exchange import EXCHANGES, RowExchange, dist_world_rank, merge_compact, unique_fixed
 from .side_files import STATE_FORMAT
 
 # Rows past the owners' blocks in the fixed exchange's cycle buffer that take the padding
-# entries' (zero) gradient rows, dealt in turn: 16,384 - U padding rows a stage-0 micro-batch,
-# a few atomic adds on each instead of thousands on one.
+# entries' (zero) gradient rows in the PyTorch path, dealt in turn: 16,384 - U padding rows a
+# stage-0 micro-batch, a few atomic adds on each instead of thousands on one.
 SCRATCH_ROWS = 1024
 
 
@@ -139,15 +140,22 @@ class ValueEmbedShard:
         """Add a padded compact gradient into the cycle buffer (no host sync).
 
         The real ids of one micro-batch are unique, so each buffer row gets at most one term
-        per call, in push order (the reference merge's order). The padding entries (gradient
-        zero: no token reads them) are dealt round ``SCRATCH_ROWS`` rows past the owners' blocks,
-        so their atomic adds do not pile up on one row.
+        per call, in push order (the reference merge's order). On a GPU one Triton pass adds the
+        real rows and skips the padding (``scatter_add_rows_triton_``, the same bits as
+        ``index_add_``). Elsewhere ``index_add_`` takes the padding entries too (gradient zero: no
+        token reads them), dealt round ``SCRATCH_ROWS`` rows past the owners' blocks.
         """
         buf, touched = self._buffers()
         blocks = self.tokens_per_rank * self.world
         spread = blocks + torch.arange(ids.numel(), device=ids.device) % SCRATCH_ROWS
         target = torch.where(ids < self.vocab, ids, spread)
-        buf.index_add_(1, target, grad.to(buf.dtype))
+        if triton_usable(buf.device) and grad.stride(-1) == 1:
+            # one read-add-write a real row, the padding skipped (nanogpt_pl.ops.triton.gather_rows)
+            from ..ops.triton.gather_rows import scatter_add_rows_triton_
+
+            scatter_add_rows_triton_(buf, ids, grad, self.vocab)
+        else:
+            buf.index_add_(1, target, grad.to(buf.dtype))
         touched.index_fill_(0, target, True)
         self._pending = True
 
