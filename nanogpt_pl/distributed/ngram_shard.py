@@ -23,7 +23,10 @@ World size 1 runs the same code path without a single collective.
 no counts read back; see ``row_exchange``): a micro-batch of T tokens asks for a
 sentinel-padded list of ``2T`` rows (its bigram and trigram rows, the most it can
 touch), the leaf keeps that shape, and the event merges the cycle's padded lists into
-one of their total length. ``reference`` (exact sizes, host-side counts) is the default;
+one of their total length. On one rank there is nothing to exchange, so the event groups the
+queue by row (``row_exchange.segments_fixed``) and the row update sums each row's terms itself
+(on a GPU one Triton kernel, ``nanogpt_pl.ops.triton.row_adam``); the leaf is gathered straight
+from the shard. ``reference`` (exact sizes, host-side counts) is the default;
 ``sparse_channels.SparseChannels`` picks ``fixed`` with fixed leaf shapes (compiled runs). The module creates
 the shard in ``setup`` (``sparse_channels.build_sparse_channels``); its per-rank state
 goes to a checkpoint side file (``side_files``).
