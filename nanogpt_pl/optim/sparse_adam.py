@@ -233,10 +233,15 @@ def _add_moments_(exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tenso
         exp_avg_sq.index_copy_(0, r, exp_avg_sq.index_select(0, r).add_(g * g, alpha=1 - beta2))
 
 
+def _adam_step_size(lr: float, betas: tuple[float, float], step: int) -> float:
+    """lr·√(1-β₂ᵗ)/(1-β₁ᵗ): the bias-corrected step of the record's Adam (RECORD §8)."""
+    beta1, beta2 = betas
+    return lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
 def _apply_moments_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    beta1, beta2 = betas
-    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    step_size = _adam_step_size(lr, betas, step)
     decay = lr * lr * weight_decay
     for a in range(0, param.shape[0], DENSE_CHUNK_ROWS):
         b = min(param.shape[0], a + DENSE_CHUNK_ROWS)
@@ -319,7 +324,7 @@ class ShardAdam:
         if self.fused is not False and triton_usable(grad.device):
             from ..ops.triton.row_adam import dense_adam_
 
-            step_size = lr * math.sqrt(1 - beta2**self.step) / (1 - beta1**self.step)
+            step_size = _adam_step_size(lr, betas, self.step)
             for p, block in enumerate(blocks):  # one pass a plane; the gradient is left zeroed
                 dense_adam_(block, self.exp_avg[p], self.exp_avg_sq[p], grad[p], beta1, beta2, step_size, eps,
                             lr * lr * weight_decay)

@@ -29,18 +29,11 @@ import triton.language as tl
 from torch import Tensor
 
 from nanogpt_pl.ops.triton import interpret_mode
+from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16
 
 # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even. Under the
 # interpreter the kernel rounds the fp32 bits itself first, so the cast sees bf16 values.
 _ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), still in fp32 (finite ``x``)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -68,7 +61,7 @@ def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, order_p
         u += tl.where(u * p > 0, p * decay_wd, 0.0)
         p = p - u
         if _ROUND_BEFORE_CAST and table_ptr.dtype.element_ty == tl.bfloat16:
-            p = _round_to_bf16(p)
+            p = round_to_bf16(p)
         tl.store(p_ptrs, p.to(table_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + row64, v)
         tl.store(last_ptr + row64, event)
@@ -114,7 +107,7 @@ def _dense_adam_kernel(p_ptr, m_ptr, v_ptr, g_ptr, n, beta1, one_minus_beta1, be
     u += tl.where(u * p > 0, p * decay_wd, 0.0)
     p = p - u
     if _ROUND_BEFORE_CAST and p_ptr.dtype.element_ty == tl.bfloat16:
-        p = _round_to_bf16(p)
+        p = round_to_bf16(p)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
