@@ -9,7 +9,9 @@ What is measured (bf16 parameters, random bf16 gradients, one process, no commun
   (6 qk blocks, 2 v/o, 3 MLP; RECORD §8), i.e. the per-GPU optimizer compute of the record,
   without the reduce-scatter/all-gather (those overlap the work in the real run).
 * ANVIL paths: the default (PyTorch cascade, each bank's work replayed from a CUDA graph),
-  the same eagerly, the Triton cascade with and without the graph, and (full run only) the
+  the same with the elementwise update as Triton kernels (``update_backend="triton"``,
+  ``nanogpt_pl.ops.triton.anvil_update``; its ratio to the default is printed), the same
+  eagerly, the Triton cascade with and without the graph, and (full run only) the
   torch.compile'd elementwise parts; ``torch.optim.Muon`` (2-D parameters only, so the
   qk blocks are separate 256x768 parameters; 5 Newton-Schulz steps) and fused AdamW over
   the same matrices, in the same run.
@@ -133,10 +135,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows: list[dict] = []
     for scope, kw in (("all matrices", dict(attn_layers=ATTN_LAYERS, fc=MLPS, proj=MLPS)),
                       ("rank share at world 8", SHARE)):
-        def anvil(backend: str, compile: Optional[bool], graph: Optional[bool]) -> Callable:
+        def anvil(backend: str, compile: Optional[bool], graph: Optional[bool], update: str = "reference") -> Callable:
             def build():
                 params = record_matrices(device=dev, **kw)
-                return Anvil(params, backend=backend, compile=compile, cuda_graph=graph, engage_step=0), params
+                return Anvil(params, backend=backend, update_backend=update, compile=compile, cuda_graph=graph,
+                             engage_step=0), params
             return build
 
         def muon():
@@ -147,16 +150,17 @@ def main(argv: Optional[list[str]] = None) -> None:
             params = record_matrices(device=dev, **kw)
             return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True), params
 
-        # (label, backend, compile, cuda_graph); the first is what Anvil() does by default
-        variants = [("default (reference cascade, CUDA graph)", "auto", None, None),
-                    ("reference cascade, eager", "reference", False, False),
-                    ("triton cascade, CUDA graph", "triton", False, True),
-                    ("triton cascade, eager", "triton", False, False),
-                    ("reference cascade + compile, eager", "reference", True, False)]
+        # (label, backend, compile, cuda_graph, update_backend); the first is what Anvil() does by default
+        variants = [("default (reference cascade, CUDA graph)", "auto", None, None, "reference"),
+                    ("triton update, reference cascade, CUDA graph", "auto", None, None, "triton"),
+                    ("reference cascade, eager", "reference", False, False, "reference"),
+                    ("triton cascade, CUDA graph", "triton", False, True, "reference"),
+                    ("triton cascade, eager", "triton", False, False, "reference"),
+                    ("reference cascade + compile, eager", "reference", True, False, "reference")]
         if args.quick:  # compiled variants cost compile time
-            variants = variants[:3]
-        scoped = [optimizer_row(f"{scope}: ANVIL {label}", anvil(backend, comp, graph), warmup, steps, True)
-                  for label, backend, comp, graph in variants]
+            variants = variants[:4]
+        scoped = [optimizer_row(f"{scope}: ANVIL {label}", anvil(backend, comp, graph, update), warmup, steps, True)
+                  for label, backend, comp, graph, update in variants]
         base = {}
         if hasattr(torch.optim, "Muon"):
             base["muon"] = optimizer_row(f"{scope}: torch.optim.Muon", muon, warmup, steps, False)
@@ -188,6 +192,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     share = next(r for r in rows if r["name"].startswith("rank share at world 8: ANVIL default"))
     full = next(r for r in rows if r["name"].startswith("all matrices: ANVIL default"))
     print()
+    for scope, default in (("all matrices", full), ("rank share at world 8", share)):
+        fused = next(r for r in rows if r["name"].startswith(f"{scope}: ANVIL triton update"))
+        print(f"{scope}: triton update {fused['median']:.3f} ms vs default {default['median']:.3f} ms: "
+              f"{default['median'] / fused['median']:.2f}x")
     print(f"target: ANVIL <= {100 * TARGET_FRACTION:.0f}% of a {RECORD_STEP_MS:.0f} ms step. "
           f"Rank share at world 8: {100 * share['of_step']:.2f}% "
           f"({'met' if share['of_step'] <= TARGET_FRACTION else 'NOT met'}); "

@@ -5,7 +5,7 @@ anywhere), and fast paths; the choice of each lives here, so a run's YAML names 
 one place::
 
     model:
-      backends: {attention: auto, fp8: auto, loss: auto, polar: auto}
+      backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
@@ -32,9 +32,12 @@ class Backends:
             PyTorch) or ``triton``.
         polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
             ``triton``.
+        anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay
+            and step; ``nanogpt_pl.optim.anvil``): ``auto``, ``reference`` or ``triton``.
     """
 
     attention: str = "auto"
     fp8: str = "auto"
     loss: str = "auto"
     polar: str = "auto"
+    anvil: str = "auto"

@@ -199,7 +199,7 @@ class SpeedrunModule(L.LightningModule):
         optim: the optimizers.
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
         backends: the implementation of each numerical part (attention, FP8, loss, ANVIL's polar
-            cascade), all in one section (``nanogpt_pl.backends.Backends``).
+            cascade and elementwise update), all in one section (``nanogpt_pl.backends.Backends``).
         compile: compile the model's forward with ``torch.compile``: one graph, the FP8 layers inside it
             as custom operators (their weight caches refreshed eagerly before each forward).
         fp8_graph_breaks: with ``compile``, end the compiled graph at every FP8 layer instead (the layers
@@ -349,7 +349,7 @@ class SpeedrunModule(L.LightningModule):
             parts["matrices"] = Anvil([matrices], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
                                       engage_step=self.schedule.anvil_engage_step,
                                       cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg,
-                                      backend=self.backends.polar)
+                                      backend=self.backends.polar, update_backend=self.backends.anvil)
         else:
             parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,

@@ -519,9 +519,12 @@ def _masters(opt: Anvil) -> list[torch.Tensor]:
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("fast", [dict(backend="triton", compile=True), dict(backend="reference", compile=True),
-                                  dict(backend="triton", compile=False)])
+                                  dict(backend="triton", compile=False),
+                                  dict(backend="reference", update_backend="triton"),
+                                  dict(backend="triton", update_backend="triton")])
 def test_gpu_paths_match_eager_torch_at_record_shapes(fast: dict) -> None:
-    """Triton kernels and torch.compile'd elementwise parts against the eager PyTorch path."""
+    """Triton kernels (cascade, elementwise update) and torch.compile'd elementwise parts against the
+    eager PyTorch path."""
     runs = []
     for kwargs in (fast, dict(backend="reference", compile=False, cuda_graph=False)):
         params = record_matrices("cuda")
@@ -561,14 +564,15 @@ def _gpu_run(params: list[torch.nn.Parameter], opt: Anvil, steps: range, move_at
 
 @cuda
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_gpu_cuda_graph_equals_eager_bit_for_bit(backend: str) -> None:
+@pytest.mark.parametrize("update_backend", ["reference", "triton"])
+def test_gpu_cuda_graph_equals_eager_bit_for_bit(backend: str, update_backend: str) -> None:
     """Replaying the captured bank work gives exactly the eager arithmetic: across the engage step,
     with the lr and momentum changing every step, after the parameters' storage moved, and after
     a state_dict round trip."""
     runs = []
     for graph in (True, False):
         params = record_matrices("cuda")
-        opt = Anvil(params, engage_step=3, backend=backend, cuda_graph=graph)
+        opt = Anvil(params, engage_step=3, backend=backend, update_backend=update_backend, cuda_graph=graph)
         assert opt.cuda_graph is graph
         _gpu_run(params, opt, range(0, 5), move_at=4)
         sd = copy.deepcopy(opt.state_dict())

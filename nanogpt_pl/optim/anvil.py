@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.triton import triton_usable
 from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
 
@@ -90,6 +91,9 @@ _STATE_VERSION = 1
 # Layout of the per-group step scalars shipped to the device once per step.
 _S_ONE_MINUS_FAST, _S_ONE_MINUS_SLOW, _S_BLEND, _S_MU, _S_ONE_MINUS_LANE, _S_EPS, _S_WD_LR, _S_LR = range(8)
 _N_SCALARS = 8
+
+# The choices of ``model.backends.anvil`` (the elementwise update); "reference" is the plain-PyTorch path.
+UPDATE_BACKENDS = ("auto", "reference", "triton")
 
 # torch wraps Optimizer.add_param_group in _disable_dynamo, whose first call imports torch._dynamo
 # (seconds of CPU); the wrapped function does the same work without that import.
@@ -160,6 +164,21 @@ def finish_update(
     hi, lo = split_master(theta)
     bits.copy_(hi)
     sidecar.copy_(lo)
+
+
+def resolve_update_backend(backend: str, device: torch.device) -> str:
+    """``reference`` or ``triton`` for the elementwise update (``model.backends.anvil``); raises for an
+    impossible choice. ``auto`` picks PyTorch until the kernels are timed against it on a GPU."""
+    if backend not in UPDATE_BACKENDS:
+        raise ValueError(f"model.backends.anvil={backend!r}: choose one of {', '.join(UPDATE_BACKENDS)}")
+    if backend != "triton":
+        return "reference"
+    if not triton_usable(device):
+        raise RuntimeError(
+            f"model.backends.anvil='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); the parameters are on {device}: use 'reference' or 'auto'"
+        )
+    return "triton"
 
 
 class _Fused:
@@ -309,8 +328,13 @@ class Anvil(torch.optim.Optimizer):
         engage_step: first step (0-based) of the blend (514).
         maps: the cascade's (a, b, c) coefficients (default: the record's ``ANVIL_MAPS``).
         backend: ``auto``, ``reference`` or ``triton`` for the cascade's Gram/polynomial kernels.
+        update_backend: the elementwise update around the cascade (rails and lookahead before it;
+            lanes, cautious decay and step after it): ``reference`` (the PyTorch functions of this
+            module), ``triton`` (``nanogpt_pl.ops.triton.anvil_update``: four kernels a bank
+            instead of about forty passes) or ``auto`` (see :func:`resolve_update_backend`).
         compile: fuse the elementwise parts with torch.compile (None = off: on the H200 the
             compiled update of one rank's share took 10.1 ms against 4.2 ms eager, BENCHMARKS.md).
+            Applies to the ``reference`` update only.
         cuda_graph: capture each bank's local work (copy of the owned matrices, rails, cascade,
             lanes, decay and step, and with one rank the copy back into the parameters) in a CUDA
             graph and replay it, so one launch replaces ~70 kernel launches per bank. None = on
@@ -337,6 +361,7 @@ class Anvil(torch.optim.Optimizer):
         engage_step: int = ENGAGE_STEP,
         maps: Sequence[tuple[float, float, float]] = ANVIL_MAPS,
         backend: str = "auto",
+        update_backend: str = "auto",
         compile: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
@@ -366,6 +391,7 @@ class Anvil(torch.optim.Optimizer):
         self._ready = True
         self.device = self._check_params()
         resolve_backend(backend, self.device)  # fail early on an impossible backend
+        self.update_backend = resolve_update_backend(update_backend, self.device)
         use_compile = False if compile is None else bool(compile)
         self._rails_fn = _Fused(rails_lookahead, use_compile)
         self._finish_fn = _Fused(finish_update, use_compile)
@@ -593,6 +619,14 @@ class Anvil(torch.optim.Optimizer):
         graph.replay()
 
     def _update_bank(self, bank: _Bank, grad: Tensor, params: Tensor, s: Tensor) -> None:
+        if self.update_backend == "triton":
+            from ..ops.triton.anvil_update import finish_update_, rails_lookahead_
+
+            u = rails_lookahead_(grad, bank.rails, s[_S_ONE_MINUS_FAST], s[_S_ONE_MINUS_SLOW], s[_S_BLEND], s[_S_MU])
+            x = polar_cascade(u, self.maps, backend=self.backend)
+            finish_update_(x, bank.lane_energy, bank.rails[1], params, bank.sidecar, bank.lr_mul,
+                           s[_S_ONE_MINUS_LANE], s[_S_EPS], s[_S_WD_LR], s[_S_LR], bank.lane_dim)
+            return
         key = (bank.group, bank.rows, bank.cols, bank.owned, bank.dtype)
         u = self._rails_fn(grad, bank.rails, s, key=key)
         x = polar_cascade(u, self.maps, backend=self.backend)
