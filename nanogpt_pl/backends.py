@@ -5,7 +5,7 @@ anywhere), and fast paths; the choice of each lives here, so a run's YAML names 
 one place::
 
     model:
-      backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto}
+      backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto, adam: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
@@ -34,6 +34,8 @@ class Backends:
             ``triton``.
         anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay
             and step; ``nanogpt_pl.optim.anvil``): ``auto``, ``reference`` or ``triton``.
+        adam: the dense Adam groups' update (moments, decay and step; ``nanogpt_pl.optim.adam``):
+            ``auto``, ``reference`` or ``triton`` (one pass a parameter).
     """
 
     attention: str = "auto"
@@ -41,3 +43,4 @@ class Backends:
     loss: str = "auto"
     polar: str = "auto"
     anvil: str = "auto"
+    adam: str = "auto"

@@ -353,7 +353,7 @@ class SpeedrunModule(L.LightningModule):
         else:
             parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
-                                         process_group=pg)
+                                         process_group=pg, update_backend=self.backends.adam)
         sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
         for name, params in adam_families(self.model).items():
@@ -362,7 +362,8 @@ class SpeedrunModule(L.LightningModule):
                 groups.append(dict(params=params, name=name, lr_mul=g.lr_mul, betas=tuple(g.betas),
                                    wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
-                                 cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power)
+                                 cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power,
+                                 update_backend=self.backends.adam)
         if sparse:
             settings = {name: dict(lr_mul=g.lr_mul, betas=tuple(g.betas), wd_mul=g.wd_mul)
                         for name, g in (("ngram", o.ngram), ("value_embeds", o.value_embeds))}

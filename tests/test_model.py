@@ -256,7 +256,8 @@ def test_the_two_vocabulary_sizes_have_two_names():
 
 def test_model_backends_reach_every_part():
     cfg = tiny_config(fp8_mlp=True, fp8_head=True, fp8_qkv=True)
-    chosen = Backends(attention="reference", fp8="reference", loss="chunked", polar="reference", anvil="reference")
+    chosen = Backends(attention="reference", fp8="reference", loss="chunked", polar="reference", anvil="reference",
+                      adam="reference")
     module = SpeedrunModule(gpt=cfg, backends=chosen)
     blocks = module.model.blocks
     assert {b.attn.spec.backend for b in blocks if b.attn is not None} == {"reference"}
@@ -265,5 +266,6 @@ def test_model_backends_reach_every_part():
     assert {st.backend for st in fp8_states} == {"reference"} and module.model.fp8_head.state.backend == "reference"
     matrices = module.configure_optimizers().parts["matrices"]
     assert matrices.backend == "reference" and matrices.update_backend == "reference"
+    assert module.configure_optimizers().parts["adam"].update_backend == "reference"
     assert module.backends.loss == "chunked" and module.hparams["backends"] == chosen
     assert {b.attn.spec.backend for b in GPT(cfg).blocks if b.attn is not None} == {"auto"}  # default: auto

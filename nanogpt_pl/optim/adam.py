@@ -21,6 +21,10 @@ per step: power 1 is ordinary decoupled decay (AdamW), power 2 is the record's
 ``eff_wd = (lr·lr_mul)²·0.005·wd_mul`` (RECORD §8). With ``cautious_wd`` the decay only
 shrinks coordinates whose update points the same way as the weight (sign-aligned decay).
 
+The update itself is either the PyTorch reference (:meth:`DistAdam._update`, about a dozen
+passes a parameter) or one Triton pass a parameter (``update_backend="triton"``,
+``nanogpt_pl.ops.triton.adam_update``) with the same arithmetic.
+
 Moments are fp32 whatever the parameter dtype. Checkpoints: replicated state is the same
 on every rank. Sharded state is this rank's rows; :meth:`DistAdam.consolidate_state_dict`
 (a collective, Lightning's protocol for sharded optimizers) makes the next ``state_dict()``
@@ -35,10 +39,32 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.triton import triton_usable
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# The choices of ``model.backends.adam`` (the dense Adam update); "reference" is the plain-PyTorch path.
+UPDATE_BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_update_backend(backend: str, device: torch.device) -> str:
+    """``reference`` or ``triton`` for the dense Adam update (``model.backends.adam``); raises for an
+    impossible choice. ``auto`` picks the Triton pass on a CUDA GPU, PyTorch elsewhere."""
+    if backend not in UPDATE_BACKENDS:
+        raise ValueError(f"model.backends.adam={backend!r}: choose one of {', '.join(UPDATE_BACKENDS)}")
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return "reference"
+    if not triton_usable(device):
+        if backend == "auto":
+            return "reference"
+        raise RuntimeError(
+            f"model.backends.adam='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); the parameters are on {device}: use 'reference' or 'auto'"
+        )
+    return "triton"
 
 
 def world_of(process_group: Optional[dist.ProcessGroup]) -> int:
@@ -98,6 +124,9 @@ class DistAdam(torch.optim.Optimizer):
             (times the weight): 1 for AdamW, 2 for the record's Adam groups (RECORD §8).
         sharded: default of the per-group ``sharded`` flag: reduce-scatter the gradient along
             dim 0, update this rank's rows, all-gather them (RECORD §8: lm_head and embed).
+        update_backend: the update of each parameter: ``reference`` (PyTorch), ``triton`` (one
+            pass a parameter) or ``auto`` (see :func:`resolve_update_backend`), resolved on the
+            device of the first parameter.
     """
 
     def __init__(
@@ -111,6 +140,7 @@ class DistAdam(torch.optim.Optimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         decay_lr_power: int = 1,
         sharded: bool = False,
+        update_backend: str = "auto",
     ) -> None:
         if decay_lr_power not in (1, 2):
             raise ValueError(f"decay_lr_power must be 1 (AdamW) or 2 (the record's Adam groups), got {decay_lr_power}")
@@ -121,6 +151,9 @@ class DistAdam(torch.optim.Optimizer):
             group.setdefault("initial_lr", group["lr"])
         self.process_group = process_group
         self.decay_lr_power = decay_lr_power
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.update_backend = resolve_update_backend(update_backend, device)
         self._consolidated: Optional[dict[Tensor, dict]] = None
 
     # -- the step ----------------------------------------------------------------------
@@ -198,8 +231,14 @@ class DistAdam(torch.optim.Optimizer):
                 state["rows"] = (rows[0], rows[1], p.shape[0])
         state["step"] += 1
         t = state["step"]
-        g = grad.float()
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        if self.update_backend == "triton" and target.is_contiguous() and m.is_contiguous() and v.is_contiguous():
+            from ..ops.triton.adam_update import adam_update_
+
+            adam_update_(target, grad.contiguous(), m, v, beta1, beta2, t, group["eps"], lr, decay,
+                         group["cautious_wd"])
+            return
+        g = grad.float()
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
