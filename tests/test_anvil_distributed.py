@@ -174,6 +174,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 "weights_at_resume": weights,
             }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
 

@@ -206,6 +206,7 @@ def _compare_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -
                 compare(group, seed + size, wire, check)
             out[size] = (check.passed, check.failures)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
 

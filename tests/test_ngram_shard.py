@@ -172,6 +172,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             run_dir.mkdir(exist_ok=True)
             out[size] = _run_world(group, run_dir)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
 
