@@ -16,6 +16,10 @@ What is measured (bf16 parameters, random bf16 gradients, one process, no commun
   qk blocks are separate 256x768 parameters; 5 Newton-Schulz steps) and fused AdamW over
   the same matrices, in the same run.
 * the cascade alone per bank shape, Triton vs PyTorch.
+* the dense Adam groups of the record network on one GPU (``DistAdam``, RECORD §8's Adam
+  table without the sparse channels): embed and lm_head (bf16 50,304 x 768) and the small
+  fp32 gates, lambdas and scalars, PyTorch update against one Triton pass a parameter
+  (``update_backend``; the ratio is printed).
 
 Each row: median and p90 ms per ``step()`` over the timed steps (CUDA events), peak GPU
 memory during the steps (parameters, gradients, optimizer state and temporaries), the
@@ -37,7 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
+from nanogpt_pl.model.gpt import GPT, GPTConfig  # noqa: E402
+from nanogpt_pl.optim.adam import DistAdam  # noqa: E402
 from nanogpt_pl.optim.anvil import Anvil  # noqa: E402
+from nanogpt_pl.optim.groups import adam_families  # noqa: E402
 from nanogpt_pl.optim.polar import polar_cascade  # noqa: E402
 
 RECORD_STEP_MS = 45.0  # RECORD §11: stage-2 step time of the record, ~45-47 ms
@@ -111,6 +118,31 @@ def optimizer_row(name: str, build: Callable[[], tuple[torch.optim.Optimizer, li
     return dict(name=name, median=median, p90=p90, peak=peak)
 
 
+def dense_adam_params(device: torch.device) -> list[dict]:
+    """The record network's dense Adam groups (the families the sparse channels leave to DistAdam),
+    embed and lm_head in bf16 as on the GPU (``SpeedrunModule.setup_device``), the rest fp32."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    g = torch.Generator(device="cpu").manual_seed(2)
+    groups = []
+    for name, params in adam_families(model).items():
+        if name == "value_embeds":  # a sparse channel in the speedrun configs
+            continue
+        dtype = torch.bfloat16 if name in ("embed", "lm_head") else torch.float32
+        made = [torch.nn.Parameter((torch.randn(p.shape, generator=g) * 0.02).to(device, dtype)) for p in params]
+        groups.append(dict(params=made, betas=(0.9, 0.99), sharded=name in ("embed", "lm_head")))
+    return groups
+
+
+def dense_adam_row(name: str, update: str, warmup: int, steps: int) -> dict:
+    def build():
+        groups = dense_adam_params(torch.device("cuda"))
+        opt = DistAdam(groups, lr=0.008, eps=1e-10, weight_decay=0.005, cautious_wd=True, decay_lr_power=2,
+                       update_backend=update)
+        return opt, [p for group in groups for p in group["params"]]
+    return optimizer_row(name, build, warmup, steps, False)
+
+
 def cascade_row(name: str, shape: tuple[int, int, int], backend: str, warmup: int, steps: int) -> dict:
     g = torch.randn(*shape, device="cuda")
     median, p90, peak = time_fn(lambda: polar_cascade(g, backend=backend), warmup, steps)
@@ -179,6 +211,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         r["vs_torch"] = 1.0
         cascade += [t, r]
 
+    adam = [dense_adam_row(f"dense Adam groups: {u}", u, warmup, steps) for u in ("reference", "triton")]
+
     print()
     print(f"{'optimizer step (bf16 matrices)':62s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} "
           f"{'x Muon':>7s} {'x AdamW':>8s} {'% of 45ms':>9s}")
@@ -189,6 +223,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{'cascade alone (6 maps, bf16)':62s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s} {'x torch':>7s}")
     for r in cascade:
         print(f"{r['name']:62s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f} {r['vs_torch']:7.2f}")
+    print()
+    print(f"{'dense Adam (embed, lm_head, gates, scalars)':62s} {'median ms':>9s} {'p90 ms':>8s} {'peak MiB':>9s}")
+    for r in adam:
+        print(f"{r['name']:62s} {r['median']:9.3f} {r['p90']:8.3f} {r['peak']:9.0f}")
+    print(f"dense Adam: triton {adam[1]['median']:.3f} ms vs reference {adam[0]['median']:.3f} ms: "
+          f"{adam[0]['median'] / adam[1]['median']:.2f}x")
     share = next(r for r in rows if r["name"].startswith("rank share at world 8: ANVIL default"))
     full = next(r for r in rows if r["name"].startswith("all matrices: ANVIL default"))
     print()
