@@ -6,6 +6,9 @@ fp32 leaf, zeros at the padding; a copy and a cast, so it must equal the referen
 The scatter-add of a micro-batch's value-embedding gradient into the cycle buffer: one term
 per real row, the padding skipped, so it must equal ``index_add_`` bit for bit.
 
+The n-gram hashes (``nanogpt_pl.ops.triton.ngram_hash``): the four hashes of a micro-batch in
+one pass, equal to the PyTorch functions and to RECORD §3's formulas in plain Python.
+
 The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
 
 Both run the same events on the same shard: padded queues whose entries repeat rows (so
@@ -27,7 +30,7 @@ import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
 from nanogpt_pl.distributed.row_exchange import segments_fixed
-from nanogpt_pl.model.embeddings import gather_rows_
+from nanogpt_pl.model.embeddings import RECORD_NGRAM_ROWS, gather_rows_, ngram_hashes, ngram_row_ids, ngram_sign_rows
 from nanogpt_pl.optim.sparse_adam import LazyRowAdam
 
 BETA2S = (0.95, 0.95, 0.9025, 0.9025)  # RECORD §4-§5: β₂ 0.95, squared when the cadence engages
@@ -236,3 +239,28 @@ def test_scatter_add_rows_matches_index_add_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     check_scatter_add("cuda", 4, 50_304 + 1024, 768, 49_152, seed=9)  # a stage-2 micro-batch into the cycle buffer
+
+
+# -- the n-gram hashes ---------------------------------------------------------------------
+@interp
+@pytest.mark.parametrize("n", [1, 2, 3, 200])  # the reserved rows; several blocks, the last partial
+@pytest.mark.parametrize("high", [50304, (1 << 31) - 1])  # GPT-2 ids; any int32 (products far past 2^32)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ngram_hashes_match_pytorch_and_the_record(n, high, dtype):
+    from test_ngram_hash import reference_rows
+
+    gen = torch.Generator().manual_seed(1000 * n + high % 997)
+    ids = torch.randint(0, high, (n,), generator=gen).to(dtype)
+    for ngram_rows in (RECORD_NGRAM_ROWS, 2 * 4099):
+        rows, signs = ngram_hashes(ids, ngram_rows)
+        assert rows.dtype == signs.dtype == torch.int64 and rows.shape == signs.shape == (2, n)
+        assert torch.equal(rows, ngram_row_ids(ids, ngram_rows)) and torch.equal(signs, ngram_sign_rows(ids))
+        big, tri, sb, st = reference_rows(ids.tolist(), ngram_rows)  # RECORD §3 with its literal multipliers
+        assert rows.tolist() == [big, tri] and signs.tolist() == [sb, st]
+
+
+@pytest.mark.cuda
+def test_ngram_hashes_match_pytorch_on_the_gpu():
+    ids = torch.randint(0, 50304, (49152,), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    rows, signs = ngram_hashes(ids.to(torch.int32), RECORD_NGRAM_ROWS)
+    assert torch.equal(rows, ngram_row_ids(ids, RECORD_NGRAM_ROWS)) and torch.equal(signs, ngram_sign_rows(ids))

@@ -45,8 +45,7 @@ from ..model.embeddings import (
     check_ngram_rows,
     compact_rows,
     gather_rows_,
-    ngram_row_ids,
-    ngram_sign_rows,
+    ngram_hashes,
     padded_leaf,
 )
 from ..optim.sparse_adam import LazyRowAdam
@@ -146,7 +145,7 @@ class NgramShard:
         their buffers must be the same size on every rank, which the plan guarantees for
         training batches; evaluation reads keep exact sizes and may differ across ranks.
         """
-        row_ids = ngram_row_ids(input_ids, self.ngram_rows)
+        row_ids, sign_rows = ngram_hashes(input_ids, self.ngram_rows)
         fixed = self.fixed and requires_grad
         if fixed:
             bound = min(row_ids.numel(), self.ngram_rows)  # the most distinct rows T tokens can touch
@@ -164,7 +163,7 @@ class NgramShard:
             values.requires_grad_(requires_grad)
         else:
             values = padded_leaf(self.pull(unique, fixed), pad_to, leaf_dtype).requires_grad_(requires_grad)
-        return NgramInput(values=values, index=index, sign_rows=ngram_sign_rows(input_ids), rows=unique)
+        return NgramInput(values=values, index=index, sign_rows=sign_rows, rows=unique)
 
     # -- event ---------------------------------------------------------------------
     def pending_rows(self) -> int:

@@ -150,6 +150,21 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
     return torch.stack([big, tri])
 
 
+def ngram_hashes(input_ids: Tensor, ngram_rows: int, fused: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+    """``(ngram_row_ids(input_ids, ngram_rows), ngram_sign_rows(input_ids))``.
+
+    On a GPU one Triton pass computes all four hashes (``nanogpt_pl.ops.triton.ngram_hash``);
+    ``fused=False`` (or a device the kernel cannot run on) takes the PyTorch functions above.
+    """
+    from ..ops.triton import triton_usable
+
+    if fused is not False and triton_usable(input_ids.device):
+        from ..ops.triton.ngram_hash import ngram_hashes_triton
+
+        return ngram_hashes_triton(input_ids, ngram_rows)
+    return ngram_row_ids(input_ids, ngram_rows), ngram_sign_rows(input_ids)
+
+
 def make_sign_table(dim: int, rows: int = SIGN_ROWS, seed: int = SIGN_TABLE_SEED) -> Tensor:
     """The fixed ±1 table ``[rows, dim]`` (fp32), the same on every rank and run."""
     gen = torch.Generator().manual_seed(seed)
