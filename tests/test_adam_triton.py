@@ -131,5 +131,5 @@ def test_backend_choices_and_errors() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("cautious", [False, True])
 def test_gpu_kernel_follows_the_reference_at_record_shapes(cautious: bool) -> None:
-    assert resolve_update_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_update_backend("auto", torch.device("cuda")) == "reference"  # until timed on a GPU
     compare(11, torch.bfloat16, 40.0, cautious, 2, [(50304, 768), (50304, 768), (768,), ()], "cuda")

@@ -52,14 +52,12 @@ UPDATE_BACKENDS = ("auto", "reference", "triton")
 
 def resolve_update_backend(backend: str, device: torch.device) -> str:
     """``reference`` or ``triton`` for the dense Adam update (``model.backends.adam``); raises for an
-    impossible choice. ``auto`` picks the Triton pass on a CUDA GPU, PyTorch elsewhere."""
+    impossible choice. ``auto`` picks PyTorch until the Triton pass is timed against it on a GPU."""
     if backend not in UPDATE_BACKENDS:
         raise ValueError(f"model.backends.adam={backend!r}: choose one of {', '.join(UPDATE_BACKENDS)}")
-    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+    if backend != "triton":
         return "reference"
     if not triton_usable(device):
-        if backend == "auto":
-            return "reference"
         raise RuntimeError(
             f"model.backends.adam='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
             f"debug on CPU); the parameters are on {device}: use 'reference' or 'auto'"
