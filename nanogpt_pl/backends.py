@@ -5,9 +5,11 @@ anywhere), and fast paths; the choice of each lives here, so a run's YAML names 
 one place::
 
     model:
-      backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto, adam: auto}
+      backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto, adam: auto, ngram: auto}
 
-``auto`` picks the fast path on a CUDA GPU and the reference elsewhere. The values are
+``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
+has not yet been timed against its reference on a GPU (``anvil``, ``adam``, ``ngram``): there
+``auto`` is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
 former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device cannot run.
@@ -36,6 +38,9 @@ class Backends:
             and step; ``nanogpt_pl.optim.anvil``): ``auto``, ``reference`` or ``triton``.
         adam: the dense Adam groups' update (moments, decay and step; ``nanogpt_pl.optim.adam``):
             ``auto``, ``reference`` or ``triton`` (one pass a parameter).
+        ngram: the n-gram channel's hashes of a micro-batch's tokens (bigram and trigram rows and
+            their sign rows; ``nanogpt_pl.model.embeddings.ngram_hashes``): ``auto``, ``reference``
+            or ``triton`` (one pass).
     """
 
     attention: str = "auto"
@@ -44,3 +49,4 @@ class Backends:
     polar: str = "auto"
     anvil: str = "auto"
     adam: str = "auto"
+    ngram: str = "auto"

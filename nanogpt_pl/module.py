@@ -35,6 +35,7 @@ from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .distributed.strategy import SpeedrunStrategy
 from .metrics import BitsPerByte, MeanTokenLoss
 from .model.attention import resolve_backend
+from .model.embeddings import check_hash_backend
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
@@ -199,7 +200,8 @@ class SpeedrunModule(L.LightningModule):
         optim: the optimizers.
         schedule: the stage table (linked from the top-level ``schedule`` section by the CLI).
         backends: the implementation of each numerical part (attention, FP8, loss, ANVIL's polar
-            cascade and elementwise update), all in one section (``nanogpt_pl.backends.Backends``).
+            cascade and elementwise update, dense Adam, the n-gram hashes), all in one section
+            (``nanogpt_pl.backends.Backends``).
         compile: compile the model's forward with ``torch.compile``: one graph, the FP8 layers inside it
             as custom operators (their weight caches refreshed eagerly before each forward).
         fp8_graph_breaks: with ``compile``, end the compiled graph at every FP8 layer instead (the layers
@@ -232,6 +234,7 @@ class SpeedrunModule(L.LightningModule):
         self.compile = compile
         self.fp8_graph_breaks = fp8_graph_breaks
         check_backend(backends.loss)
+        check_hash_backend(backends.ngram)
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
@@ -286,7 +289,8 @@ class SpeedrunModule(L.LightningModule):
         if self.sparse_channels is None:
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
-                                                         fixed_shapes=self.compile or graphs)
+                                                         fixed_shapes=self.compile or graphs,
+                                                         ngram_hash=self.backends.ngram)
             if self._pending_sparse_state is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None

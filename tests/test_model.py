@@ -257,7 +257,7 @@ def test_the_two_vocabulary_sizes_have_two_names():
 def test_model_backends_reach_every_part():
     cfg = tiny_config(fp8_mlp=True, fp8_head=True, fp8_qkv=True)
     chosen = Backends(attention="reference", fp8="reference", loss="chunked", polar="reference", anvil="reference",
-                      adam="reference")
+                      adam="reference", ngram="reference")
     module = SpeedrunModule(gpt=cfg, backends=chosen)
     blocks = module.model.blocks
     assert {b.attn.spec.backend for b in blocks if b.attn is not None} == {"reference"}

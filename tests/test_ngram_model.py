@@ -259,3 +259,18 @@ def test_lightning_run_with_the_fixed_exchange_equals_the_reference(toy_files, t
     for name, value in ref_model.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fix_model[name], value), name
+
+
+def test_the_hash_backend_reaches_the_shard_and_a_bad_one_fails_in_one_line():
+    from nanogpt_pl.backends import Backends
+    from nanogpt_pl.module import SpeedrunModule
+
+    gpt = tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1])
+    module = SpeedrunModule(gpt=gpt, backends=Backends(ngram="reference"))
+    module.prepare_for_training(torch.device("cpu"))
+    assert module.sparse_channels.ngram.hash_backend == "reference"
+    with pytest.raises(ValueError, match=r"^model.backends.ngram='fast': choose one of auto, reference, triton$"):
+        SpeedrunModule(gpt=gpt, backends=Backends(ngram="fast"))
+    module = SpeedrunModule(gpt=gpt, backends=Backends(ngram="triton"))
+    with pytest.raises(RuntimeError, match=r"^model.backends.ngram='triton' needs a CUDA device.*use 'reference' or 'auto'$"):
+        module.prepare_for_training(torch.device("cpu"))

@@ -7,7 +7,8 @@ The scatter-add of a micro-batch's value-embedding gradient into the cycle buffe
 per real row, the padding skipped, so it must equal ``index_add_`` bit for bit.
 
 The n-gram hashes (``nanogpt_pl.ops.triton.ngram_hash``): the four hashes of a micro-batch in
-one pass, equal to the PyTorch functions and to RECORD §3's formulas in plain Python.
+one pass, equal to the PyTorch functions and to RECORD §3's formulas in plain Python; chosen
+by ``model.backends.ngram: triton`` (``auto`` keeps PyTorch until the pass is timed on a GPU).
 
 The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
 
@@ -29,8 +30,16 @@ import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
 
+from nanogpt_pl.distributed.ngram_shard import NgramShard
 from nanogpt_pl.distributed.row_exchange import segments_fixed
-from nanogpt_pl.model.embeddings import RECORD_NGRAM_ROWS, gather_rows_, ngram_hashes, ngram_row_ids, ngram_sign_rows
+from nanogpt_pl.model.embeddings import (
+    RECORD_NGRAM_ROWS,
+    gather_rows_,
+    ngram_hashes,
+    ngram_row_ids,
+    ngram_sign_rows,
+    resolve_hash_backend,
+)
 from nanogpt_pl.optim.sparse_adam import LazyRowAdam
 
 BETA2S = (0.95, 0.95, 0.9025, 0.9025)  # RECORD §4-§5: β₂ 0.95, squared when the cadence engages
@@ -252,15 +261,29 @@ def test_ngram_hashes_match_pytorch_and_the_record(n, high, dtype):
     gen = torch.Generator().manual_seed(1000 * n + high % 997)
     ids = torch.randint(0, high, (n,), generator=gen).to(dtype)
     for ngram_rows in (RECORD_NGRAM_ROWS, 2 * 4099):
-        rows, signs = ngram_hashes(ids, ngram_rows)
+        rows, signs = ngram_hashes(ids, ngram_rows, backend="triton")
         assert rows.dtype == signs.dtype == torch.int64 and rows.shape == signs.shape == (2, n)
         assert torch.equal(rows, ngram_row_ids(ids, ngram_rows)) and torch.equal(signs, ngram_sign_rows(ids))
         big, tri, sb, st = reference_rows(ids.tolist(), ngram_rows)  # RECORD §3 with its literal multipliers
         assert rows.tolist() == [big, tri] and signs.tolist() == [sb, st]
 
 
+@pytest.mark.skipif(INTERPRETED, reason="checks the CPU choice without the interpreter")
+def test_ngram_hash_backend_choices_and_errors():
+    ids = torch.randint(0, 50304, (40,), generator=torch.Generator().manual_seed(11))
+    assert resolve_hash_backend("auto", "cpu") == resolve_hash_backend("reference", "cpu") == "reference"
+    assert resolve_hash_backend("auto", "cuda") == "reference"  # until the pass is timed on a GPU
+    rows, signs = ngram_hashes(ids, 2 * 4099, backend="auto")
+    assert torch.equal(rows, ngram_row_ids(ids, 2 * 4099)) and torch.equal(signs, ngram_sign_rows(ids))
+    with pytest.raises(ValueError, match=r"^model.backends.ngram='fused': choose one of auto, reference, triton$"):
+        resolve_hash_backend("fused", "cpu")
+    with pytest.raises(RuntimeError, match=r"model.backends.ngram='triton' needs a CUDA device"):
+        NgramShard(2 * 4099, 8, hash_backend="triton")
+    assert NgramShard(2 * 4099, 8).hash_backend == "reference"
+
+
 @pytest.mark.cuda
 def test_ngram_hashes_match_pytorch_on_the_gpu():
     ids = torch.randint(0, 50304, (49152,), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    rows, signs = ngram_hashes(ids.to(torch.int32), RECORD_NGRAM_ROWS)
+    rows, signs = ngram_hashes(ids.to(torch.int32), RECORD_NGRAM_ROWS, backend="triton")
     assert torch.equal(rows, ngram_row_ids(ids, RECORD_NGRAM_ROWS)) and torch.equal(signs, ngram_sign_rows(ids))

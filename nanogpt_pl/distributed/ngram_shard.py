@@ -47,6 +47,7 @@ from ..model.embeddings import (
     gather_rows_,
     ngram_hashes,
     padded_leaf,
+    resolve_hash_backend,
 )
 from ..optim.sparse_adam import LazyRowAdam
 from .row_exchange import (
@@ -79,12 +80,14 @@ class NgramShard:
         state_dtype: dtype of the row Adam state and arithmetic.
         exchange: ``"reference"`` (exact sizes, host-side counts) or ``"fixed"`` (fixed
             capacity from the batch, no host sync; see the module docstring).
+        hash_backend: how a micro-batch's tokens are hashed to rows (``model.backends.ngram``:
+            ``auto``, ``reference`` or ``triton``; ``model.embeddings.resolve_hash_backend``).
     """
 
     def __init__(self, ngram_rows: int, dim: int, process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None,
                  grad_wire_dtype: Optional[torch.dtype] = None, state_dtype: torch.dtype = torch.float32,
-                 exchange: str = "reference") -> None:
+                 exchange: str = "reference", hash_backend: str = "auto") -> None:
         check_ngram_rows(ngram_rows)
         if exchange not in EXCHANGES:
             raise ValueError(f"n-gram exchange={exchange!r}: choose one of {EXCHANGES}")
@@ -92,6 +95,7 @@ class NgramShard:
         self.ngram_rows, self.dim = ngram_rows, dim
         self.world, self.rank = dist_world_rank(process_group)
         device = torch.device(device if device is not None else "cpu")
+        self.hash_backend = resolve_hash_backend(hash_backend, device)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.rows_per_rank = -(-ngram_rows // self.world)
@@ -145,7 +149,7 @@ class NgramShard:
         their buffers must be the same size on every rank, which the plan guarantees for
         training batches; evaluation reads keep exact sizes and may differ across ranks.
         """
-        row_ids, sign_rows = ngram_hashes(input_ids, self.ngram_rows)
+        row_ids, sign_rows = ngram_hashes(input_ids, self.ngram_rows, self.hash_backend)
         fixed = self.fixed and requires_grad
         if fixed:
             bound = min(row_ids.numel(), self.ngram_rows)  # the most distinct rows T tokens can touch

@@ -91,14 +91,18 @@ class SparseChannels:
 
 def build_sparse_channels(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup],
                           device: torch.device, sparse_value_embeds: bool = True,
-                          fixed_shapes: bool = False) -> Optional[SparseChannels]:
-    """The channels a GPT needs (None when it has neither an n-gram table nor sparse value embeddings)."""
+                          fixed_shapes: bool = False, ngram_hash: str = "auto") -> Optional[SparseChannels]:
+    """The channels a GPT needs (None when it has neither an n-gram table nor sparse value embeddings).
+
+    ``ngram_hash`` is ``model.backends.ngram``, how the n-gram channel hashes its tokens.
+    """
     cfg = model.cfg
     # fixed leaf shapes are for compiled, graph-captured steps, which must not wait on the host
     exchange = "fixed" if fixed_shapes else "reference"
     ngram = None
     if cfg.ngram_rows:
-        ngram = NgramShard(cfg.ngram_rows, cfg.model_dim, process_group, device, exchange=exchange)
+        ngram = NgramShard(cfg.ngram_rows, cfg.model_dim, process_group, device, exchange=exchange,
+                            hash_backend=ngram_hash)
     ve = None
     if sparse_value_embeds and len(model.value_embeds):
         ve = ValueEmbedShard(list(model.value_embeds), process_group, exchange=exchange)

@@ -150,15 +150,39 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
     return torch.stack([big, tri])
 
 
-def ngram_hashes(input_ids: Tensor, ngram_rows: int, fused: Optional[bool] = None) -> tuple[Tensor, Tensor]:
-    """``(ngram_row_ids(input_ids, ngram_rows), ngram_sign_rows(input_ids))``.
+HASH_BACKENDS = ("auto", "reference", "triton")
 
-    On a GPU one Triton pass computes all four hashes (``nanogpt_pl.ops.triton.ngram_hash``);
-    ``fused=False`` (or a device the kernel cannot run on) takes the PyTorch functions above.
-    """
+
+def check_hash_backend(backend: str) -> None:
+    """Raise (one line naming ``model.backends.ngram``) unless ``backend`` is a choice of the n-gram hashes."""
+    if backend not in HASH_BACKENDS:
+        raise ValueError(f"model.backends.ngram={backend!r}: choose one of {', '.join(HASH_BACKENDS)}")
+
+
+def resolve_hash_backend(backend: str, device: torch.device | str) -> str:
+    """``reference`` or ``triton`` for the n-gram hashes (``model.backends.ngram``); raises for an
+    impossible choice. ``auto`` picks PyTorch until the Triton pass is timed against it on a GPU."""
     from ..ops.triton import triton_usable
 
-    if fused is not False and triton_usable(input_ids.device):
+    check_hash_backend(backend)
+    if backend != "triton":
+        return "reference"
+    if not triton_usable(device):
+        raise RuntimeError(
+            f"model.backends.ngram='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); the n-gram table is on {torch.device(device)}: use 'reference' or 'auto'"
+        )
+    return "triton"
+
+
+def ngram_hashes(input_ids: Tensor, ngram_rows: int, backend: str = "reference") -> tuple[Tensor, Tensor]:
+    """``(ngram_row_ids(input_ids, ngram_rows), ngram_sign_rows(input_ids))``.
+
+    ``backend="triton"`` computes all four hashes in one Triton pass
+    (``nanogpt_pl.ops.triton.ngram_hash``) instead of the PyTorch functions above; ``auto``
+    as :func:`resolve_hash_backend` resolves it for the ids' device.
+    """
+    if resolve_hash_backend(backend, input_ids.device) == "triton":
         from ..ops.triton.ngram_hash import ngram_hashes_triton
 
         return ngram_hashes_triton(input_ids, ngram_rows)
