@@ -17,14 +17,13 @@ rows not divisible by the world size) next to a replicated one (RECORD §8's Ada
 from __future__ import annotations
 
 import io
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_group import init_gloo, store_path
 
 from nanogpt_pl.optim.adam import DistAdam
 from nanogpt_pl.optim.anvil import Anvil
@@ -136,9 +135,9 @@ def _adam_worker(rank: int, world: int) -> dict:
     return {"params": [p.detach().clone() for p in params], "weights_at_resume": weights, "full_state": full}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         results = {"adam": _adam_worker(rank, world)}
         for dtype in DTYPES:
@@ -179,12 +178,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def single_process(dtype: torch.dtype, world: int, steps: range, params=None, state=None):
     params = make_params(dtype) if params is None else params
     opt = Anvil(params, engage_step=ENGAGE, backend="reference", compile=False)
@@ -197,8 +190,7 @@ def single_process(dtype: torch.dtype, world: int, steps: range, params=None, st
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, store_path(tmp_path), str(tmp_path)), nprocs=world, join=True)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for dtype in DTYPES:
         key = str(dtype)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_group import init_gloo, store_path
 
 from nanogpt_pl.metrics import BitsPerByte, MeanTokenLoss, token_byte_lengths
 from nanogpt_pl.ops.cross_entropy import softcap
@@ -47,10 +47,10 @@ def direct(seed: int) -> tuple[float, float]:
     return float(nats.mean()), float(nats[text].sum() / (math.log(2) * token_bytes[targets].sum()))
 
 
-def _worker(rank: int, world: int, port: int, out: str, seed: int) -> None:
+def _worker(rank: int, world: int, store: str, out: str, seed: int) -> None:
     from nanogpt_pl.ops.cross_entropy import full_cross_entropy
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     torch.set_num_threads(1)
     weight, token_bytes = tables(seed)
     loss_metric, bpb_metric = MeanTokenLoss(), BitsPerByte(token_bytes)
@@ -79,16 +79,10 @@ def _worker(rank: int, world: int, port: int, out: str, seed: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_with_uneven_batches_equal_one_direct_computation(tmp_path):
     seed = int(torch.randint(0, 10**6, ()).item())  # fresh inputs each run
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), seed), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, store_path(tmp_path), str(tmp_path), seed), nprocs=2, join=True)
     assert [int((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)] == [CHECKS, CHECKS], seed
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_group import init_gloo, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -185,16 +185,10 @@ def expected_checks() -> int:
     return len(WIRES) * per_wire
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _compare_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> None:
+def _compare_worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
     """World 8 on the default group, and world-4 and world-2 runs on rank blocks (one spawn)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         groups = {size: [dist.new_group(list(range(b, b + size))) for b in range(0, world, size)]
                   for size in (2, 4)}
@@ -226,9 +220,8 @@ def test_fixed_exchange_equals_the_reference_in_one_process() -> None:
 
 @pytest.mark.slow
 def test_fixed_exchange_equals_the_reference_at_2_4_8_ranks(tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     seed = fresh_seed()
-    mp.spawn(_compare_worker, args=(8, _free_port(), str(tmp_path), seed), nprocs=8, join=True)
+    mp.spawn(_compare_worker, args=(8, store_path(tmp_path), str(tmp_path), seed), nprocs=8, join=True)
     for rank in range(8):
         out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for world in (2, 4, 8):
@@ -322,9 +315,9 @@ def guarded_steps(exchange: str, group, seed: int) -> None:
     assert c.ve.step_count == 1 and c.shard.adam.event == 1
 
 
-def _sync_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> None:
+def _sync_worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     result = {}
     try:
         guarded_steps("fixed", None, seed)
@@ -358,8 +351,7 @@ def test_fixed_exchange_makes_no_host_sync_in_one_process() -> None:
 
 @pytest.mark.slow
 def test_fixed_exchange_makes_no_host_sync_at_2_ranks(tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_sync_worker, args=(2, _free_port(), str(tmp_path), fresh_seed()), nprocs=2, join=True)
+    mp.spawn(_sync_worker, args=(2, store_path(tmp_path), str(tmp_path), fresh_seed()), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["fixed"] == "ok"

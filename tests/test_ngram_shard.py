@@ -15,7 +15,6 @@ in a different order (per rank, then at the owner), so tables agree to ~1e-6.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_group import init_gloo, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -133,12 +133,6 @@ class Problem:
         return prob
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_world(group: Optional[dist.ProcessGroup], out_dir: Path) -> dict:
     prob = Problem(group)
     losses = prob.run(range(RESUME_AT))
@@ -157,10 +151,10 @@ def _run_world(group: Optional[dist.ProcessGroup], out_dir: Path) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     """World 8 on the default group, and independent world-4 and world-2 runs on rank blocks (one spawn)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         # every rank creates every subgroup, in the same order (new_group is collective)
         groups = {size: [dist.new_group(list(range(b, b + size))) for b in range(0, world, size)]
@@ -186,8 +180,7 @@ def single_process() -> dict:
 
 @pytest.mark.slow
 def test_sharded_ranks_equal_one_process(tmp_path: Path, single_process: dict) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(8, _free_port(), str(tmp_path)), nprocs=8, join=True)
+    mp.spawn(_worker, args=(8, store_path(tmp_path), str(tmp_path)), nprocs=8, join=True)
     per_process = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(8)]
     for world in (2, 4, 8):
         losses = {}
