@@ -22,7 +22,8 @@ Three parts, all in one run (each can be selected with --part):
    host sync: every destination gets a slot of the whole request, so it sends more).
 3. **model** (no device): bytes per rank per step for 8 GPUs at the record's batch
    (T = 49,152 tokens per rank, 2T row ids), from the unique-row fractions measured on
-   real text (one batch for the per-step pull; four batches for the per-event push).
+   real text (one batch for the per-step pull; four batches for the per-event push); and
+   for the fixed exchange, whose bytes follow from its capacities alone.
 
 Real text: the quickstart corpus (``nanogpt_pl.data.corpus``, Python's documentation,
 built on first use in seconds). It is more repetitive than FineWeb, so its unique
@@ -349,7 +350,27 @@ def part_model(args, tokens: np.ndarray, source: str) -> None:
         print(f"  {name:<36} {b / 2**20:>9.1f} MiB")
     print(f"  {'total':<36} {total / 2**20:>9.1f} MiB per rank per step (received: the same on average)")
     print("  (the record pulls once per cycle from a lookahead want-list instead of every step: "
-          f"{U4 * remote * (row + rid) / CADENCE / 2**20:.1f} MiB/step for its pull)\n")
+          f"{U4 * remote * (row + rid) / CADENCE / 2**20:.1f} MiB/step for its pull)")
+    # The fixed exchange (compiled or CUDA-graph runs; nanogpt_pl.distributed.row_exchange): every
+    # destination gets a slot of the whole request, whatever the text, so the bytes follow from the
+    # capacities alone: 2T rows a pull, CADENCE·2T queued rows an event, the value embeddings' whole
+    # blocks.
+    C_pull, C_event = 2 * T, CADENCE * 2 * T
+    fixed_lines = [
+        ("ngram pull ids (each step)", (W - 1) * C_pull * rid),
+        ("ngram pull values (each step)", (W - 1) * C_pull * row),
+        ("ngram push ids (per event / 4)", (W - 1) * C_event * rid / CADENCE),
+        ("ngram push values (per event / 4)", (W - 1) * C_event * row / CADENCE),
+        ("VE push values (per event / 4)", VE_PLANES * VOCAB * row * remote / CADENCE),
+        ("VE all_gather (per event / 4)", VE_PLANES * VOCAB * row * remote / CADENCE),
+    ]
+    print("fixed exchange (no host sync; what compiled and CUDA-graph runs use), from its capacities:")
+    fixed_total = 0.0
+    for name, b in fixed_lines:
+        fixed_total += b
+        print(f"  {name:<36} {b / 2**20:>9.1f} MiB")
+    print(f"  {'total':<36} {fixed_total / 2**20:>9.1f} MiB per rank per step "
+          f"({fixed_total / total:.1f} x the exact sizes above)\n")
 
 
 def main() -> None:
