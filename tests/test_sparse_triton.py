@@ -51,8 +51,16 @@ def test_kernel_suite_under_interpreter():
     run_module_under_interpreter(__file__)
 
 
+# the mean over ranks an owner's event takes with two sources (per event; event 1 goes through update_)
+DIVISORS = (2, 1, 3, 8)
+
+
 def run_events(device: str, rows: int, dim: int, table_dtype: torch.dtype, entries: int, per_entry: int,
-               seed: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               seed: int, fused: bool, two_sources: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Four events on one shard; ``two_sources``: as at an owner of a multi-rank table, the first
+    entry is the own request (fp32) and the rest the peers' rows (bf16, the wire), in two tensors,
+    and each row's sum is divided by :data:`DIVISORS` (the mean over ranks)."""
     gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used (GPU-sized queues)
     table = (torch.randn(rows + 1, dim, generator=gen, device=device) * 0.02).to(table_dtype)
     start = table.clone()
@@ -71,6 +79,11 @@ def run_events(device: str, rows: int, dim: int, table_dtype: torch.dtype, entri
             adam.update_(table, merged_rows, merged, lr, beta2, 1e-10, wd)
             continue
         seg = segments_fixed(queued, queued.numel(), rows)
+        if two_sources:
+            own, peers = src[:per_entry], src[per_entry:].to(torch.bfloat16)
+            adam.update_segments_(table, seg.unique, own, seg.order, seg.offsets, seg.slot, lr, beta2, 1e-10, wd,
+                                  src2=peers, grad_divisor=DIVISORS[event])
+            continue
         adam.update_segments_(table, seg.unique, src, seg.order, seg.offsets, seg.slot, lr, beta2,
                               1e-10, wd)
     return table[:rows], start[:rows], adam.v, adam.last_event
@@ -95,9 +108,10 @@ def assert_close_but_rare(got: torch.Tensor, want: torch.Tensor, rtol: float, at
 
 
 def check_fused_against_pytorch(device: str, rows: int, dim: int, table_dtype: torch.dtype, entries: int,
-                                per_entry: int, seed: int) -> None:
-    got, start, v, last = run_events(device, rows, dim, table_dtype, entries, per_entry, seed, fused=True)
-    want, _, v_ref, last_ref = run_events(device, rows, dim, table_dtype, entries, per_entry, seed, fused=False)
+                                per_entry: int, seed: int, two_sources: bool = False) -> None:
+    got, start, v, last = run_events(device, rows, dim, table_dtype, entries, per_entry, seed, True, two_sources)
+    want, _, v_ref, last_ref = run_events(device, rows, dim, table_dtype, entries, per_entry, seed, False,
+                                          two_sources)
     assert torch.equal(last, last_ref)
     assert int(last.max()) == len(BETA2S) and int((last == 0).sum()) > 0  # some rows never touched
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-30)
@@ -116,9 +130,10 @@ def check_fused_against_pytorch(device: str, rows: int, dim: int, table_dtype: t
 @interp
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fused_event_matches_pytorch(table_dtype, seed):
+@pytest.mark.parametrize("two_sources", [False, True])
+def test_fused_event_matches_pytorch(table_dtype, seed, two_sources):
     # width 48 (not a power of two: the masked tail), 3 entries of 40 rows in a 90-row shard
-    check_fused_against_pytorch("cpu", 90, 48, table_dtype, 3, 40, seed)
+    check_fused_against_pytorch("cpu", 90, 48, table_dtype, 3, 40, seed, two_sources)
 
 
 def test_segments_hand_the_kernel_every_term_once():
@@ -143,6 +158,14 @@ def test_fused_event_matches_pytorch_on_the_gpu(seed):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     check_fused_against_pytorch("cuda", 1 << 22, 768, torch.bfloat16, 32, 2 * 16_384, seed)
+
+
+@pytest.mark.cuda
+def test_owner_event_with_two_sources_matches_pytorch_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    # an owner at 8 ranks, stage-2 event: its own 4 x 2 x 49,152 queued rows and 7 peers' as many (bf16)
+    check_fused_against_pytorch("cuda", 1 << 22, 768, torch.bfloat16, 8, 4 * 2 * 49_152, 2, two_sources=True)
 
 
 def check_gather(device: str, rows: int, dim: int, n: int, table_dtype: torch.dtype, seed: int) -> None:

@@ -15,7 +15,9 @@ touches, not what the table holds:
   table-sized buffer on the sender), sent to the owners (counts, int32 ids, values),
   and each owner sums what it received into its touched rows only, averages over
   ranks, and runs the lazy row Adam (``nanogpt_pl.optim.sparse_adam``) on exactly
-  those rows.
+  those rows. With the fixed exchange the owner groups the received terms by row
+  (``row_exchange.segments_fixed``) and the row update sums each row's terms itself, as on
+  one rank.
 
 World size 1 runs the same code path without a single collective.
 
@@ -207,8 +209,18 @@ class NgramShard:
             self._queue = []
             return
         rows, grads = self.merged_gradient()
-        reduce = self.exchange.reduce_to_owners_fixed if self.fixed and rows.numel() else self.exchange.reduce_to_owners
-        local, merged = reduce(rows, grads, self.grad_wire_dtype)
+        if self.fixed and rows.numel():
+            # several ranks: each owner gets every rank's terms of its rows and the row update sums
+            # them itself (own request first, then the peers by rank, as the reference adds them),
+            # so no summed buffer of W times the queue is built; the mean over ranks is folded in
+            local, own, peers = self.exchange.send_to_owners_fixed(rows, grads, self.grad_wire_dtype)
+            seg = segments_fixed(local, local.numel(), self.exchange.scratch)
+            self.adam.update_segments_(self._rows, seg.unique, own, seg.order, seg.offsets, seg.slot, lr=lr,
+                                       beta2=betas[1], eps=eps, weight_decay=weight_decay, src2=peers,
+                                       grad_divisor=self.world)
+            self._queue = []
+            return
+        local, merged = self.exchange.reduce_to_owners(rows, grads, self.grad_wire_dtype)
         if self.world > 1:
             merged.div_(self.world)  # the mean over ranks, as the dense optimizers average gradients
         self.adam.update_(self._rows, local, merged, lr=lr, beta2=betas[1], eps=eps, weight_decay=weight_decay)

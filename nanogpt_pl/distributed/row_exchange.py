@@ -13,11 +13,12 @@ Two exchanges do this:
   :func:`merge_compact`): exact sizes. ``torch.unique`` and the per-owner counts are
   read on the host to size the ``all_to_all`` splits, which forces a device -> host
   sync per call.
-* ``fixed`` (:meth:`RowExchange.pull_fixed`, :meth:`RowExchange.reduce_to_owners_fixed`,
-  :func:`merge_compact_fixed`): every buffer has a capacity known from the batch plan
-  before the step runs, so nothing is read back. Deduplication is a sort plus segment
-  marks (:func:`unique_fixed`) into a buffer of that capacity, padded with a sentinel
-  row id that sorts after every real row and belongs to no owner. Each destination gets
+* ``fixed`` (:meth:`RowExchange.pull_fixed`, :meth:`RowExchange.reduce_to_owners_fixed` and
+  :meth:`RowExchange.send_to_owners_fixed`, :func:`merge_compact_fixed`): every buffer has a
+  capacity known from the batch plan before the step runs, so nothing is read back.
+  Deduplication is a sort plus segment marks (:func:`unique_fixed`) into a buffer of that
+  capacity, padded with a sentinel row id that sorts after every real row and belongs to
+  no owner. Each destination gets
   a slot of the full capacity ``C`` (a rank can ask one owner for at most all of its
   ``C`` rows), so every ``all_to_all`` has equal, host-known splits. The receiver maps
   the sentinel to its local *scratch row* (index = its block size), one spare row the
@@ -227,10 +228,25 @@ class RowExchange:
         unique local indices, padded with :attr:`scratch`, and their sums over ranks.
         Collective; no device -> host sync.
         """
-        cap = rows.numel()
         if self.world == 1:
             local = torch.where(rows < self.stop, rows - self.start, torch.full_like(rows, self.scratch))
             return local, values.float()
+        local, own, peers = self.send_to_owners_fixed(rows, values, wire_dtype)
+        return merge_compact_fixed([(local, torch.cat([own.float(), peers.float()]))], self.scratch, force=True)
+
+    def send_to_owners_fixed(self, rows: Tensor, values: Tensor,
+                             wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The terms of :meth:`reduce_to_owners_fixed` at the owner, not yet summed. Collective.
+
+        Returns ``(local [W·C], own [C, D], peers [(W-1)·C, D])``: ``local[i]`` is the local row
+        (or :attr:`scratch`) of the ``i``-th term of ``own`` followed by ``peers``. ``own`` is
+        this rank's whole request at full precision (rows of other owners point at the scratch
+        row); ``peers`` is what the other ranks sent, in rank order, in the wire dtype. Summing
+        each row's terms in this order (own first, then the peers by rank) gives
+        :meth:`reduce_to_owners`'s sums bit for bit; a consumer that sums them itself
+        (``LazyRowAdam.update_segments_``) needs no summed buffer.
+        """
+        cap = rows.numel()
         owner, slot, _ = self._slots(rows)
         wire = wire_dtype or values.dtype
         send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1)
@@ -245,13 +261,12 @@ class RowExchange:
         order = torch.arange(self.world - 1, device=rows.device)
         order += order >= self.rank  # the peers' slots, built on the device
         ids = recv_ids.view(self.world, cap).index_select(0, order).reshape(-1)
-        vals = recv_vals.view(self.world, cap, -1).index_select(0, order).reshape(-1, values.shape[-1])
+        peers = recv_vals.view(self.world, cap, -1).index_select(0, order).reshape(-1, values.shape[-1])
         # the whole own request stands in for the own slot: rows of other owners go to the scratch row
         mine = owner.eq(self.rank) & (rows < self.sentinel)
         own_local = (rows - self.start).masked_fill(~mine, self.scratch)
         peer_local = (ids.long() - self.start).masked_fill(ids < 0, self.scratch)
-        local = torch.cat([own_local, peer_local])
-        return merge_compact_fixed([(local, torch.cat([values.float(), vals.float()]))], self.scratch, force=True)
+        return torch.cat([own_local, peer_local]), values, peers
 
     def reset_counters(self) -> None:
         self.bytes_sent.clear()

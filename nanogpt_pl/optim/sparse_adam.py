@@ -144,19 +144,30 @@ class LazyRowAdam:
 
     @torch.no_grad()
     def update_segments_(self, table: Tensor, rows: Tensor, src: Tensor, order: Tensor, offsets: Tensor,
-                         slot: Tensor, lr: float, beta2: float, eps: float, weight_decay: float) -> None:
+                         slot: Tensor, lr: float, beta2: float, eps: float, weight_decay: float,
+                         src2: Optional[Tensor] = None, grad_divisor: int = 1) -> None:
         """:meth:`update_` with the merge folded in: ``rows[i]``'s gradient is the sum of
         ``src[order[offsets[i]:offsets[i+1]]]`` in that order (``row_exchange.segments_fixed``;
-        ``slot`` gives each entry of ``order`` its ``i``, ``len(rows)`` for entries of no row).
+        ``slot`` gives each entry of ``order`` its ``i``, ``len(rows)`` for entries of no row),
+        divided by ``grad_divisor`` (the number of ranks whose terms it sums: their mean).
+
+        ``src2`` (optional) holds more terms: ``order`` then indexes ``src ++ src2``, which is
+        not built on a GPU (an owner's own request and its peers' rows, in two dtypes).
 
         On a GPU one Triton kernel sums each row's terms and updates it (no merged buffer, no
-        atomics); elsewhere the terms are summed into a buffer and :meth:`update_` runs.
+        atomics; the division is a multiplication by ``1/grad_divisor``, the same bits for a
+        power of two); elsewhere the terms are summed into a buffer and :meth:`update_` runs.
         """
-        if self._fused(table, src):
-            self._fused_update_(table, rows, src, order, offsets, lr, beta2, eps, weight_decay)
+        if self._fused(table, src) and (src2 is None or src2.is_contiguous()):
+            self._fused_update_(table, rows, src, order, offsets, lr, beta2, eps, weight_decay, src2=src2,
+                                grad_scale=1.0 / grad_divisor)
             return
+        if src2 is not None:
+            src = torch.cat([src.float(), src2.float()])
         merged = torch.zeros(rows.numel() + 1, src.shape[-1], dtype=torch.float32, device=src.device)
         merged.index_add_(0, slot, src.index_select(0, order).float())
+        if grad_divisor != 1:
+            merged.div_(grad_divisor)
         self.update_(table, rows, merged[:-1], lr, beta2, eps, weight_decay)
 
     def _begin_event(self, beta2: float) -> int:
@@ -173,7 +184,8 @@ class LazyRowAdam:
                 and table.is_contiguous())
 
     def _fused_update_(self, table: Tensor, rows: Tensor, src: Tensor, order: Tensor, offsets: Tensor, lr: float,
-                       beta2: float, eps: float, weight_decay: float) -> None:
+                       beta2: float, eps: float, weight_decay: float, src2: Optional[Tensor] = None,
+                       grad_scale: float = 1.0) -> None:
         from ..ops.triton.row_adam import lazy_row_adam_
 
         j = self._begin_event(beta2)
@@ -181,7 +193,7 @@ class LazyRowAdam:
         decay = self.decay_since(torch.arange(j, dtype=torch.int32, device=table.device), j)
         lazy_row_adam_(table, self._v, self._last_event, rows, src, order, offsets, decay,
                        scratch=self._v.numel() - 1, event=j, beta2=beta2, step_size=lr * math.sqrt(1 - beta2**j),
-                       eps=eps, decay_wd=lr * lr * weight_decay)
+                       eps=eps, decay_wd=lr * lr * weight_decay, src2=src2, grad_scale=grad_scale)
 
     @torch.no_grad()
     def replay_all_(self) -> None:

@@ -11,8 +11,10 @@ through (a table indexed by its last event), updates the moment and the bf16 tab
 in place and stamps the row. Padding rows (the shard's scratch row) do nothing.
 
 A row's terms are added in the order ``order`` lists them (the queue order, as the
-reference merge adds them); the row mean of ``g²`` is a tree sum, so the second moment can
-differ from PyTorch's in the last bits.
+reference merge adds them), from one source or from two without concatenating them (at an
+owner of a multi-rank table: its own request at full precision, then the peers' rows in the
+wire dtype), and the sum is scaled (the mean over ranks); the row mean of ``g²`` is a tree
+sum, so the second moment can differ from PyTorch's in the last bits.
 
 **Value-embedding block** (:func:`dense_adam_`). With the fixed exchange the owner holds its
 block's whole cycle gradient, so its Adam (``ShardAdam.update_dense_``: moments, update,
@@ -22,6 +24,8 @@ fifteen passes and a separate zeroing.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -37,9 +41,9 @@ _ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
 
 
 @triton.jit
-def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, order_ptr, offsets_ptr, decay_ptr,
-                          D, stride_table, stride_src, scratch, event, beta2, one_minus_beta2, step_size, eps,
-                          decay_wd, BLOCK_D: tl.constexpr):
+def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, src2_ptr, order_ptr, offsets_ptr, decay_ptr,
+                          D, stride_table, stride_src, stride_src2, split, scratch, event, beta2, one_minus_beta2,
+                          step_size, eps, decay_wd, grad_scale, HAS_SRC2: tl.constexpr, BLOCK_D: tl.constexpr):
     slot = tl.program_id(0)
     row = tl.load(rows_ptr + slot)
     if row != scratch:
@@ -50,7 +54,15 @@ def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, order_p
         g = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in range(start, stop):
             s = tl.load(order_ptr + j).to(tl.int64)
-            g += tl.load(src_ptr + s * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SRC2:
+                # entries past ``split`` are rows of the second source (one term each, as in the first)
+                if s < split:
+                    g += tl.load(src_ptr + s * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    g += tl.load(src2_ptr + (s - split) * stride_src2 + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                g += tl.load(src_ptr + s * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        g = g * grad_scale
         row64 = row.to(tl.int64)
         slept = tl.load(last_ptr + row64)
         v = tl.load(v_ptr + row64) * tl.load(decay_ptr + slept)
@@ -69,7 +81,7 @@ def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, order_p
 
 def lazy_row_adam_(table: Tensor, v: Tensor, last_event: Tensor, rows: Tensor, src: Tensor, order: Tensor,
                    offsets: Tensor, decay: Tensor, scratch: int, event: int, beta2: float, step_size: float,
-                   eps: float, decay_wd: float) -> None:
+                   eps: float, decay_wd: float, src2: Optional[Tensor] = None, grad_scale: float = 1.0) -> None:
     """One lazy row-Adam event over ``rows`` (see the module docstring); updates in place.
 
     Args:
@@ -80,17 +92,24 @@ def lazy_row_adam_(table: Tensor, v: Tensor, last_event: Tensor, rows: Tensor, s
             ``offsets``: ``[N + 1]``: row ``rows[i]`` sums ``src[order[offsets[i]:offsets[i+1]]]``.
         decay: ``[event]`` fp32, the second-moment decay of a row last stamped at each event.
         step_size: lr·√(1 - β₂ʲ); ``decay_wd``: lr²·λ (0 for none).
+        src2: ``[M2, D]`` more terms, of any float dtype: ``order`` then indexes the concatenation
+            ``src ++ src2`` (no concatenated copy is made).
+        grad_scale: each row's sum is multiplied by it before the update (``1/W``: the mean over
+            W ranks; exact for a power of two).
     """
     n, d = rows.numel(), table.shape[-1]
     if n == 0:
         return
-    if table.stride(-1) != 1 or src.stride(-1) != 1 or src.shape[-1] != d:
+    second = src if src2 is None else src2
+    if table.stride(-1) != 1 or src.stride(-1) != 1 or second.stride(-1) != 1 or src.shape[-1] != d \
+            or second.shape[-1] != d:
         raise ValueError(f"lazy_row_adam_: rows must be contiguous and of width {d}")
     if v.dtype != torch.float32 or last_event.dtype != torch.int32 or decay.dtype != torch.float32:
         raise ValueError("lazy_row_adam_: fp32 second moments and decay, int32 stamps")
     _lazy_row_adam_kernel[(n,)](
-        table, v, last_event, rows, src, order, offsets, decay, d, table.stride(0), src.stride(0), scratch, event,
-        beta2, 1.0 - beta2, step_size, eps, decay_wd, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        table, v, last_event, rows, src, second, order, offsets, decay, d, table.stride(0), src.stride(0),
+        second.stride(0), src.shape[0], scratch, event, beta2, 1.0 - beta2, step_size, eps, decay_wd, grad_scale,
+        HAS_SRC2=src2 is not None, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
     )
 
 
