@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from .backends import Backends
 from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
 from .data.tokenizer import build_prefix_table
+from .distributed.row_exchange import EXCHANGES
 from .distributed.side_files import RANK_LOCAL_KEY
 from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .distributed.strategy import SpeedrunStrategy
@@ -96,6 +97,13 @@ class OptimConfig:
         sparse_value_embeds: value embeddings get compact gradients and update with the n-gram
             table in the ``sparse`` optimizer part, on the sparse cadence (RECORD §5); False keeps
             them in the dense Adam part.
+        sparse_exchange: how the sparse channels move rows between ranks
+            (``nanogpt_pl.distributed.row_exchange``): ``fixed`` (capacities from the batch plan,
+            no host sync; at 8 ranks about 12x the bytes of exact sizes, BENCHMARKS.md),
+            ``reference`` (exact sizes; the counts are read on the host at every pull and event)
+            or ``auto`` (``fixed`` when the leaves have fixed shapes, i.e. with compile or CUDA
+            graphs, else ``reference``). Either works with fixed leaf shapes and gives the same
+            bits; on one rank nothing moves and ``fixed`` only avoids the host reads.
         smear_gate: the smear gate's weight (RECORD §8: lr ×0.01).
         ve_gate: the value-embedding gates (lr ×1, decay ×1).
         post_lambdas: the post-lambdas π (betas 0.9, 0.95).
@@ -123,6 +131,7 @@ class OptimConfig:
     scalars: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=5.0, betas=(0.9, 0.99), wd_mul=0.0))
     ngram: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.0, 0.95), wd_mul=5.0))
     sparse_value_embeds: bool = True
+    sparse_exchange: str = "auto"
     # RECORD §8 "Adam parameter groups": the small parameters by family (names matched in
     # nanogpt_pl.optim.groups.ADAM_RULES)
     smear_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.01, (0.9, 0.99), 0.0))
@@ -137,6 +146,9 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.matrix_optimizer not in ("anvil", "adamw"):
             raise ValueError(f"model.optim.matrix_optimizer={self.matrix_optimizer!r}: choose 'anvil' or 'adamw'")
+        if self.sparse_exchange not in ("auto", *EXCHANGES):
+            raise ValueError(f"model.optim.sparse_exchange={self.sparse_exchange!r}: choose one of auto, "
+                             f"{', '.join(EXCHANGES)}")
 
 
 class SliceSamplers:
@@ -290,7 +302,8 @@ class SpeedrunModule(L.LightningModule):
             self.sparse_channels = build_sparse_channels(self.model, self.process_group, device,
                                                          self.optim_config.sparse_value_embeds,
                                                          fixed_shapes=self.compile or graphs,
-                                                         ngram_hash=self.backends.ngram)
+                                                         ngram_hash=self.backends.ngram,
+                                                         exchange=self.optim_config.sparse_exchange)
             if self._pending_sparse_state is not None and self.sparse_channels is not None:
                 self.sparse_channels.load_state_dict(self._pending_sparse_state)
                 self._pending_sparse_state = None

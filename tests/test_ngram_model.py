@@ -244,21 +244,27 @@ def test_lightning_run_with_the_fixed_exchange_equals_the_reference(toy_files, t
     from nanogpt_pl.distributed.sparse_channels import build_sparse_channels
 
     runs = {}
-    for exchange in ("reference", "fixed"):
+    # the default channels; what prepare_for_training builds with model.compile on (without compiling);
+    # the same padded leaves with the exact-size exchange (model.optim.sparse_exchange: reference)
+    for run, exchange in (("reference", None), ("fixed", "auto"), ("padded reference", "reference")):
         module, data = ngram_run(toy_files, 4)
-        if exchange == "fixed":  # what prepare_for_training builds with model.compile on, without compiling
-            module.sparse_channels = build_sparse_channels(module.model, None, torch.device("cpu"), fixed_shapes=True)
-            assert module.sparse_channels.ngram.fixed and module.sparse_channels.value_embeds.fixed
+        if exchange is not None:
+            module.sparse_channels = build_sparse_channels(module.model, None, torch.device("cpu"), fixed_shapes=True,
+                                                           exchange=exchange)
+            fixed = run == "fixed"
+            assert module.sparse_channels.ngram.fixed is fixed and module.sparse_channels.value_embeds.fixed is fixed
+            assert module.sparse_channels.fixed_shapes
         rec = LossRecorder()
-        make_trainer(tmp_path / exchange, callbacks=[rec]).fit(module, data)
-        runs[exchange] = (rec, module.sparse_channels.state_dict(), module.model.state_dict())
-    (ref, ref_sparse, ref_model), (fix, fix_sparse, fix_model) = runs["reference"], runs["fixed"]
-    assert sorted(ref.losses) == list(range(4)) and fix.losses == ref.losses and fix.val == ref.val
-    assert torch.equal(fix_sparse["ngram"]["weight"], ref_sparse["ngram"]["weight"])
-    assert ref_sparse["ngram"]["weight"].abs().sum() > 0
-    for name, value in ref_model.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(fix_model[name], value), name
+        make_trainer(tmp_path / run.replace(" ", "_"), callbacks=[rec]).fit(module, data)
+        runs[run] = (rec, module.sparse_channels.state_dict(), module.model.state_dict())
+    ref, ref_sparse, ref_model = runs.pop("reference")
+    assert sorted(ref.losses) == list(range(4)) and ref_sparse["ngram"]["weight"].abs().sum() > 0
+    for run, (rec, sparse, model) in runs.items():
+        assert rec.losses == ref.losses and rec.val == ref.val, run
+        assert torch.equal(sparse["ngram"]["weight"], ref_sparse["ngram"]["weight"]), run
+        for name, value in ref_model.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(model[name], value), (run, name)
 
 
 def test_the_hash_backend_reaches_the_shard_and_a_bad_one_fails_in_one_line():
@@ -275,3 +281,18 @@ def test_the_hash_backend_reaches_the_shard_and_a_bad_one_fails_in_one_line():
     one_line = r"^model.backends.ngram='triton' needs a CUDA device.*: use 'reference' or 'auto'$"
     with pytest.raises(RuntimeError, match=one_line):
         module.prepare_for_training(torch.device("cpu"))
+
+
+def test_the_sparse_exchange_option_reaches_both_channels():
+    from nanogpt_pl.module import OptimConfig, SpeedrunModule
+
+    gpt = tiny_gpt(ngram_rows=1 << 14, ngram_layers=[1])
+    # on the CPU without compile the leaves have exact shapes, so auto is the reference exchange
+    for choice, fixed in (("auto", False), ("fixed", True), ("reference", False)):
+        module = SpeedrunModule(gpt=gpt, optim=OptimConfig(sparse_exchange=choice))
+        module.prepare_for_training(torch.device("cpu"))
+        channels = module.sparse_channels
+        assert channels.ngram.fixed is fixed and channels.value_embeds.fixed is fixed, choice
+    one_line = r"^model.optim.sparse_exchange='exact': choose one of auto, reference, fixed$"
+    with pytest.raises(ValueError, match=one_line):
+        OptimConfig(sparse_exchange="exact")

@@ -27,7 +27,8 @@ class SparseChannels:
         value_embeds: the value-embedding channel (None = value embeddings take the dense path).
         fixed_shapes: pad the compact leaves to their upper bound (2T n-gram rows, min(T, V)
             ids) so a compiled model sees one shape per sequence length. ``build_sparse_channels``
-            then gives the channels the fixed exchange, which needs no host sync.
+            then gives the channels the fixed exchange, which needs no host sync, unless
+            ``model.optim.sparse_exchange`` asks for the reference one.
     """
 
     def __init__(self, ngram: Optional[NgramShard] = None, value_embeds: Optional[ValueEmbedShard] = None,
@@ -91,18 +92,22 @@ class SparseChannels:
 
 def build_sparse_channels(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup],
                           device: torch.device, sparse_value_embeds: bool = True,
-                          fixed_shapes: bool = False, ngram_hash: str = "auto") -> Optional[SparseChannels]:
+                          fixed_shapes: bool = False, ngram_hash: str = "auto",
+                          exchange: str = "auto") -> Optional[SparseChannels]:
     """The channels a GPT needs (None when it has neither an n-gram table nor sparse value embeddings).
 
-    ``ngram_hash`` is ``model.backends.ngram``, how the n-gram channel hashes its tokens.
+    ``ngram_hash`` is ``model.backends.ngram``, how the n-gram channel hashes its tokens;
+    ``exchange`` is ``model.optim.sparse_exchange``: ``fixed``, ``reference`` or ``auto``, the
+    fixed exchange with fixed leaf shapes (compiled, graph-captured steps must not wait on the
+    host) and the reference exchange otherwise.
     """
     cfg = model.cfg
-    # fixed leaf shapes are for compiled, graph-captured steps, which must not wait on the host
-    exchange = "fixed" if fixed_shapes else "reference"
+    if exchange == "auto":
+        exchange = "fixed" if fixed_shapes else "reference"
     ngram = None
     if cfg.ngram_rows:
         ngram = NgramShard(cfg.ngram_rows, cfg.model_dim, process_group, device, exchange=exchange,
-                            hash_backend=ngram_hash)
+                           hash_backend=ngram_hash)
     ve = None
     if sparse_value_embeds and len(model.value_embeds):
         ve = ValueEmbedShard(list(model.value_embeds), process_group, exchange=exchange)
