@@ -30,6 +30,10 @@ were captured: a key first met there puts its capture on the clock (raise ``--wa
 ``configs/ablations/plain_network.yaml``, the network before the record's parts), in the
 same run, and gives config/overlay.
 
+``--variant NAME KEY=VALUE ...`` (repeatable) also runs the plain loop with those overrides, each
+variant in its own process of the same run, and gives plain/variant: a same-run A/B of backends or
+switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``.
+
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
@@ -129,6 +133,34 @@ class _Clock(L.Callback):
             self.clock.start()
         elif step == self.stop:
             self.seconds = self.clock.stop()
+
+
+def parse_variants(variants: list[list[str]]) -> list[tuple[str, list[str]]]:
+    """``--variant NAME KEY=VALUE ...`` arguments as (name, overrides); exits with one line if malformed."""
+    out: list[tuple[str, list[str]]] = []
+    for item in variants:
+        name, sets = item[0], item[1:]
+        if "=" in name or not sets or any("=" not in kv for kv in sets):
+            sys.exit(f"step_time: --variant {' '.join(item)}: give a name, then KEY=VALUE overrides "
+                     "(e.g. --variant anvil_triton model.backends.anvil=triton)")
+        if name in {n for n, _ in out} or name in ("plain", "plain-eager", "lightning", "against"):
+            sys.exit(f"step_time: --variant {name}: the name is taken; give each variant its own")
+        out.append((name, sets))
+    return out
+
+
+def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]]) -> list[str]:
+    """The command line of one loop's process: this script's arguments, the loop, its own overrides."""
+    if mode.startswith("variant "):
+        name = mode.split(" ", 1)[1]
+        cmd = [sys.executable, __file__, *argv, "--child", "plain", "--tag", f"variant-{name}"]
+        for kv in dict(variants)[name]:
+            cmd += ["--set", kv]  # after the shared --set overrides, so these win
+        return cmd
+    cmd = [sys.executable, __file__, *argv, "--child", mode]
+    if mode == "plain-eager":
+        cmd += ["--set", "model.cuda_graphs=false"]
+    return cmd
 
 
 def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list[str],
@@ -462,7 +494,11 @@ def main() -> None:
                     help="also time the plain loop with this config overlay layered on --config (same run)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
+    ap.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME KEY=VALUE",
+                    help="also time the plain loop with these overrides (repeatable; same run, ratio to plain)")
+    ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    variants = parse_variants(a.variant)
     if a.against and not Path(a.against).is_file():
         sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
                  "configs/ablations/plain_network.yaml)")
@@ -477,7 +513,7 @@ def main() -> None:
 
     if a.child:
         if a.child in ("plain", "plain-eager", "against"):
-            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.child)
+            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.tag or a.child)
         else:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
@@ -493,10 +529,9 @@ def main() -> None:
         modes.insert(modes.index("plain") + 1, "plain-eager")
     if a.against:
         modes.append("against")
+    modes += [f"variant {name}" for name, _ in variants]
     for mode in modes:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
-        if mode == "plain-eager":
-            cmd += ["--set", "model.cuda_graphs=false"]
+        cmd = child_command(sys.argv[1:], mode, variants)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if (a.profile or a.cprofile) and mode != "lightning":
             print(proc.stderr[-40000:])
@@ -538,6 +573,10 @@ def main() -> None:
     if "plain" in results and "against" in results:
         print(f"{a.config} / {a.config} + {a.against} step time (plain loops): "
               f"{results['plain']['seconds'] / results['against']['seconds']:.3f}x")
+    for name, sets in variants:
+        if "plain" in results and f"variant {name}" in results:
+            print(f"plain / {name} ({' '.join(sets)}) step time: "
+                  f"{results['plain']['seconds'] / results[f'variant {name}']['seconds']:.3f}x")
 
 
 if __name__ == "__main__":

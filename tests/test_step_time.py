@@ -46,6 +46,27 @@ def test_the_held_weights_are_the_stages_first_ones():
     assert s2.candidates(9) == 14336
 
 
+def test_variants_run_the_plain_loop_with_their_overrides_last():
+    mod = _step_time()
+    argv = ["--only", "plain", "--set", "model.backends.anvil=reference",
+            "--variant", "tri", "model.backends.anvil=triton"]
+    variants = mod.parse_variants([["tri", "model.backends.anvil=triton"], ["two", "a.b=1", "c.d=2"]])
+    assert variants == [("tri", ["model.backends.anvil=triton"]), ("two", ["a.b=1", "c.d=2"])]
+    cmd = mod.child_command(argv, "variant tri", variants)
+    assert cmd[-6:] == ["--child", "plain", "--tag", "variant-tri", "--set", "model.backends.anvil=triton"]
+    # the variant's override comes after the shared one, so it is the value the child's config gets
+    args, _ = mod._args_for(str(ROOT / "configs" / "speedrun_1gpu.yaml"), 0, 4, True,
+                            ["model.backends.anvil=reference", "model.backends.anvil=triton"])
+    assert args[-2:] == ["--model.backends.anvil", "triton"]
+    assert mod.child_command(argv, "plain-eager", variants)[-4:] == ["--child", "plain-eager", "--set",
+                                                                     "model.cuda_graphs=false"]
+    for bad in (["tri"], ["tri", "model.backends.anvil"], ["k=v", "a=b"]):
+        with pytest.raises(SystemExit, match="give a name, then KEY=VALUE overrides"):
+            mod.parse_variants([bad])
+    with pytest.raises(SystemExit, match="the name is taken"):
+        mod.parse_variants([["plain", "a=b"]])
+
+
 # Kernel names as the CUDA profiler reported them on the H200 (a stage-1 trace of step_time.py)
 FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
         "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)")
