@@ -213,10 +213,10 @@ class NgramShard:
             # several ranks: each owner gets every rank's terms of its rows and the row update sums
             # them itself (own request first, then the peers by rank, as the reference adds them),
             # so no summed buffer of W times the queue is built; the mean over ranks is folded in
-            local, own, peers = self.exchange.send_to_owners_fixed(rows, grads, self.grad_wire_dtype)
+            local, own, received = self.exchange.send_to_owners_fixed(rows, grads, self.grad_wire_dtype)
             seg = segments_fixed(local, local.numel(), self.exchange.scratch)
             self.adam.update_segments_(self._rows, seg.unique, own, seg.order, seg.offsets, seg.slot, lr=lr,
-                                       beta2=betas[1], eps=eps, weight_decay=weight_decay, src2=peers,
+                                       beta2=betas[1], eps=eps, weight_decay=weight_decay, src2=received,
                                        grad_divisor=self.world)
             self._queue = []
             return

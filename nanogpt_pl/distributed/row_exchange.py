@@ -224,27 +224,28 @@ class RowExchange:
                                wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
         """Sum every rank's ``values`` ``[C, D]`` of sorted sentinel-padded ``rows`` ``[C]`` at the owners.
 
-        Returns ``(local [W·C], sums [W·C, D] fp32)``: this rank's touched rows as sorted
-        unique local indices, padded with :attr:`scratch`, and their sums over ranks.
-        Collective; no device -> host sync.
+        Returns ``(local, sums)``, ``[(W+1)·C]`` and ``[(W+1)·C, D]`` fp32 (``[C]`` on one rank):
+        this rank's touched rows as sorted unique local indices, padded with :attr:`scratch`,
+        and their sums over ranks. Collective; no device -> host sync.
         """
         if self.world == 1:
             local = torch.where(rows < self.stop, rows - self.start, torch.full_like(rows, self.scratch))
             return local, values.float()
-        local, own, peers = self.send_to_owners_fixed(rows, values, wire_dtype)
-        return merge_compact_fixed([(local, torch.cat([own.float(), peers.float()]))], self.scratch, force=True)
+        local, own, received = self.send_to_owners_fixed(rows, values, wire_dtype)
+        return merge_compact_fixed([(local, torch.cat([own.float(), received.float()]))], self.scratch, force=True)
 
     def send_to_owners_fixed(self, rows: Tensor, values: Tensor,
                              wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
         """The terms of :meth:`reduce_to_owners_fixed` at the owner, not yet summed. Collective.
 
-        Returns ``(local [W·C], own [C, D], peers [(W-1)·C, D])``: ``local[i]`` is the local row
-        (or :attr:`scratch`) of the ``i``-th term of ``own`` followed by ``peers``. ``own`` is
-        this rank's whole request at full precision (rows of other owners point at the scratch
-        row); ``peers`` is what the other ranks sent, in rank order, in the wire dtype. Summing
-        each row's terms in this order (own first, then the peers by rank) gives
-        :meth:`reduce_to_owners`'s sums bit for bit; a consumer that sums them itself
-        (``LazyRowAdam.update_segments_``) needs no summed buffer.
+        Returns ``(local [(W+1)·C], own [C, D], received [W·C, D])``: ``local[i]`` is the local
+        row (or :attr:`scratch`, a term of no row) of the ``i``-th term of ``own`` followed by
+        ``received``. ``own`` is this rank's whole request at full precision (rows of other
+        owners point at the scratch row); ``received`` is every rank's slot for this owner in
+        rank order, in the wire dtype, with this rank's own slot pointing at the scratch row (its
+        terms are the ``own`` ones). Summing each row's terms in this order (own first, then the
+        peers by rank) gives :meth:`reduce_to_owners`'s sums bit for bit; a consumer that sums
+        them itself (``LazyRowAdam.update_segments_``) needs no summed buffer and no copy.
         """
         cap = rows.numel()
         owner, slot, _ = self._slots(rows)
@@ -256,17 +257,12 @@ class RowExchange:
         dist.all_to_all_single(recv_vals, send_vals, group=self.group)
         self._count("push_ids", send_ids)
         self._count("push_values", send_vals)
-        # Own rows first, at full precision and not through the wire dtype, then the peers in
-        # rank order: the order (and precision) in which ``reduce_to_owners`` adds them.
-        order = torch.arange(self.world - 1, device=rows.device)
-        order += order >= self.rank  # the peers' slots, built on the device
-        ids = recv_ids.view(self.world, cap).index_select(0, order).reshape(-1)
-        peers = recv_vals.view(self.world, cap, -1).index_select(0, order).reshape(-1, values.shape[-1])
         # the whole own request stands in for the own slot: rows of other owners go to the scratch row
         mine = owner.eq(self.rank) & (rows < self.sentinel)
         own_local = (rows - self.start).masked_fill(~mine, self.scratch)
-        peer_local = (ids.long() - self.start).masked_fill(ids < 0, self.scratch)
-        return torch.cat([own_local, peer_local]), values, peers
+        peer_local = (recv_ids.long() - self.start).masked_fill(recv_ids < 0, self.scratch)
+        peer_local.view(self.world, cap)[self.rank].fill_(self.scratch)  # the own slot: already in ``own``
+        return torch.cat([own_local, peer_local]), values, recv_vals
 
     def reset_counters(self) -> None:
         self.bytes_sent.clear()
