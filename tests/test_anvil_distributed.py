@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_group import init_gloo, store_path
+from gloo_group import init_gloo, leave, store_path
 
 from nanogpt_pl.optim.adam import DistAdam
 from nanogpt_pl.optim.anvil import Anvil
@@ -176,6 +176,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
+    leave()  # only reached when the work above succeeded
 
 
 def single_process(dtype: torch.dtype, world: int, steps: range, params=None, state=None):

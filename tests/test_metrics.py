@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, store_path
+from gloo_group import init_gloo, leave, store_path
 
 from nanogpt_pl.metrics import BitsPerByte, MeanTokenLoss, token_byte_lengths
 from nanogpt_pl.ops.cross_entropy import softcap
@@ -77,6 +77,7 @@ def _worker(rank: int, world: int, store: str, out: str, seed: int) -> None:
     Path(out, f"rank{rank}.txt").write_text(str(passed))
     dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     dist.destroy_process_group()
+    leave()
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, store_path
+from gloo_group import init_gloo, leave, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -203,6 +203,7 @@ def _compare_worker(rank: int, world: int, store: str, out_dir: str, seed: int) 
         dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
+    leave()  # only reached when the work above succeeded
 
 
 def fresh_seed() -> int:
@@ -331,6 +332,7 @@ def _sync_worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> 
     finally:
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
+    leave()  # only reached when the work above succeeded
 
 
 def test_guard_catches_host_reads() -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, store_path
+from gloo_group import init_gloo, leave, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -169,6 +169,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
     finally:
         dist.destroy_process_group()
+    leave()  # only reached when the work above succeeded
 
 
 @pytest.fixture(scope="module")
