@@ -18,6 +18,36 @@ former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+# The choices of a part whose Triton path is taken only when named (``anvil``, ``adam``, ``ngram``)
+OPT_IN_CHOICES = ("auto", "reference", "triton")
+
+
+def check_opt_in(part: str, backend: str) -> None:
+    """Raise (one line naming ``model.backends.<part>``) unless ``backend`` is one of :data:`OPT_IN_CHOICES`."""
+    if backend not in OPT_IN_CHOICES:
+        raise ValueError(f"model.backends.{part}={backend!r}: choose one of {', '.join(OPT_IN_CHOICES)}")
+
+
+def resolve_opt_in(part: str, backend: str, device: Union[torch.device, str], holder: str) -> str:
+    """``reference`` or ``triton`` for ``model.backends.<part>``, a part whose Triton path is not yet
+    timed against its reference on a GPU: ``auto`` is the reference, ``triton`` must be asked for
+    by name and raises (one line) where it cannot run. ``holder`` names what lives on ``device``
+    (e.g. "the parameters are")."""
+    from .ops.triton import triton_usable
+
+    check_opt_in(part, backend)
+    if backend != "triton":
+        return "reference"
+    if not triton_usable(device):
+        raise RuntimeError(
+            f"model.backends.{part}='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
+            f"debug on CPU); {holder} on {torch.device(device)}: use 'reference' or 'auto'"
+        )
+    return "triton"
 
 
 @dataclass

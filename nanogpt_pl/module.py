@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from .backends import Backends
+from .backends import Backends, check_opt_in
 from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
 from .data.tokenizer import build_prefix_table
 from .distributed.row_exchange import EXCHANGES
@@ -36,7 +36,6 @@ from .distributed.sparse_channels import SparseChannels, build_sparse_channels
 from .distributed.strategy import SpeedrunStrategy
 from .metrics import BitsPerByte, MeanTokenLoss
 from .model.attention import resolve_backend
-from .model.embeddings import check_hash_backend
 from .model.gpt import GPT, GPTConfig
 from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
@@ -246,7 +245,7 @@ class SpeedrunModule(L.LightningModule):
         self.compile = compile
         self.fp8_graph_breaks = fp8_graph_breaks
         check_backend(backends.loss)
-        check_hash_backend(backends.ngram)
+        check_opt_in("ngram", backends.ngram)
         if param_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype

@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import resolve_opt_in
+
 # RECORD §3 "Row hashes": multipliers of the bigram and trigram row hashes.
 BIGRAM_MUL_CUR, BIGRAM_MUL_PREV = 36313, 27191
 TRIGRAM_MUL_CUR, TRIGRAM_MUL_PREV, TRIGRAM_MUL_PREV2 = 17351, 60961, 45259
@@ -150,29 +152,10 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
     return torch.stack([big, tri])
 
 
-HASH_BACKENDS = ("auto", "reference", "triton")
-
-
-def check_hash_backend(backend: str) -> None:
-    """Raise (one line naming ``model.backends.ngram``) unless ``backend`` is a choice of the n-gram hashes."""
-    if backend not in HASH_BACKENDS:
-        raise ValueError(f"model.backends.ngram={backend!r}: choose one of {', '.join(HASH_BACKENDS)}")
-
-
 def resolve_hash_backend(backend: str, device: torch.device | str) -> str:
     """``reference`` or ``triton`` for the n-gram hashes (``model.backends.ngram``); raises for an
     impossible choice. ``auto`` picks PyTorch until the Triton pass is timed against it on a GPU."""
-    from ..ops.triton import triton_usable
-
-    check_hash_backend(backend)
-    if backend != "triton":
-        return "reference"
-    if not triton_usable(device):
-        raise RuntimeError(
-            f"model.backends.ngram='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
-            f"debug on CPU); the n-gram table is on {torch.device(device)}: use 'reference' or 'auto'"
-        )
-    return "triton"
+    return resolve_opt_in("ngram", backend, device, "the n-gram table is")
 
 
 def ngram_hashes(input_ids: Tensor, ngram_rows: int, backend: str = "reference") -> tuple[Tensor, Tensor]:

@@ -39,30 +39,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.triton import triton_usable
+from ..backends import resolve_opt_in
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
-# The choices of ``model.backends.adam`` (the dense Adam update); "reference" is the plain-PyTorch path.
-UPDATE_BACKENDS = ("auto", "reference", "triton")
-
 
 def resolve_update_backend(backend: str, device: torch.device) -> str:
     """``reference`` or ``triton`` for the dense Adam update (``model.backends.adam``); raises for an
     impossible choice. ``auto`` picks PyTorch until the Triton pass is timed against it on a GPU."""
-    if backend not in UPDATE_BACKENDS:
-        raise ValueError(f"model.backends.adam={backend!r}: choose one of {', '.join(UPDATE_BACKENDS)}")
-    if backend != "triton":
-        return "reference"
-    if not triton_usable(device):
-        raise RuntimeError(
-            f"model.backends.adam='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
-            f"debug on CPU); the parameters are on {device}: use 'reference' or 'auto'"
-        )
-    return "triton"
+    return resolve_opt_in("adam", backend, device, "the parameters are")
 
 
 def world_of(process_group: Optional[dist.ProcessGroup]) -> int:

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.triton import triton_usable
+from ..backends import resolve_opt_in
 from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
 
@@ -91,9 +91,6 @@ _STATE_VERSION = 1
 # Layout of the per-group step scalars shipped to the device once per step.
 _S_ONE_MINUS_FAST, _S_ONE_MINUS_SLOW, _S_BLEND, _S_MU, _S_ONE_MINUS_LANE, _S_EPS, _S_WD_LR, _S_LR = range(8)
 _N_SCALARS = 8
-
-# The choices of ``model.backends.anvil`` (the elementwise update); "reference" is the plain-PyTorch path.
-UPDATE_BACKENDS = ("auto", "reference", "triton")
 
 # torch wraps Optimizer.add_param_group in _disable_dynamo, whose first call imports torch._dynamo
 # (seconds of CPU); the wrapped function does the same work without that import.
@@ -169,16 +166,7 @@ def finish_update(
 def resolve_update_backend(backend: str, device: torch.device) -> str:
     """``reference`` or ``triton`` for the elementwise update (``model.backends.anvil``); raises for an
     impossible choice. ``auto`` picks PyTorch until the kernels are timed against it on a GPU."""
-    if backend not in UPDATE_BACKENDS:
-        raise ValueError(f"model.backends.anvil={backend!r}: choose one of {', '.join(UPDATE_BACKENDS)}")
-    if backend != "triton":
-        return "reference"
-    if not triton_usable(device):
-        raise RuntimeError(
-            f"model.backends.anvil='triton' needs a CUDA device with Triton installed (or TRITON_INTERPRET=1 to "
-            f"debug on CPU); the parameters are on {device}: use 'reference' or 'auto'"
-        )
-    return "triton"
+    return resolve_opt_in("anvil", backend, device, "the parameters are")
 
 
 class _Fused:
