@@ -16,10 +16,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nanogpt_pl.ops.triton import interpret_mode
-from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16
+from nanogpt_pl.ops.triton.fp8_quant import store_rounded
 
-# The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even (as torch's copy_).
-_ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
 _BLOCK = 64 if interpret_mode() else 1024
 
 
@@ -45,9 +43,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, one_minus_beta1, beta2, one_minu
         else:
             update = update + decay * p
     p = p - update
-    if _ROUND_BEFORE_CAST and p_ptr.dtype.element_ty == tl.bfloat16:
-        p = round_to_bf16(p)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    store_rounded(p_ptr + offs, p, mask)  # rounded to nearest even, as torch's copy_
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
 

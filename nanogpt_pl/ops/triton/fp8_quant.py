@@ -33,6 +33,7 @@ E5M2_MAX = 57344.0
 # The hardware conversion rounds on the GPU; the interpreter's does not round right (above).
 # Fixed when this module is imported, as Triton reads TRITON_INTERPRET (interpret_mode).
 _HARDWARE_ROUNDING = tl.constexpr(not interpret_mode())
+_ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 value of magnitude < 2**22 to the
 # nearest integer, ties to even, using the FPU's own round-to-nearest-even.
@@ -74,6 +75,18 @@ def round_to_bf16(v):
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_rounded(ptrs, v, mask):
+    """Store fp32 ``v`` at ``ptrs`` in their dtype, rounded to nearest even as the GPU's cast does.
+
+    The interpreter's fp32 -> bf16 cast truncates, so there a bf16 destination gets ``v`` rounded
+    first (:func:`round_to_bf16`) and the cast sees bf16 values.
+    """
+    if _ROUND_BEFORE_CAST and ptrs.dtype.element_ty == tl.bfloat16:
+        v = round_to_bf16(v)
+    tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

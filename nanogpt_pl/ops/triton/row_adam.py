@@ -32,12 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nanogpt_pl.ops.triton import interpret_mode
-from nanogpt_pl.ops.triton.fp8_quant import round_to_bf16
-
-# The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even. Under the
-# interpreter the kernel rounds the fp32 bits itself first, so the cast sees bf16 values.
-_ROUND_BEFORE_CAST = tl.constexpr(interpret_mode())
+from nanogpt_pl.ops.triton.fp8_quant import store_rounded
 
 
 @triton.jit
@@ -72,9 +67,7 @@ def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, src2_pt
         p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
         u += tl.where(u * p > 0, p * decay_wd, 0.0)
         p = p - u
-        if _ROUND_BEFORE_CAST and table_ptr.dtype.element_ty == tl.bfloat16:
-            p = round_to_bf16(p)
-        tl.store(p_ptrs, p.to(table_ptr.dtype.element_ty), mask=mask)
+        store_rounded(p_ptrs, p, mask)
         tl.store(v_ptr + row64, v)
         tl.store(last_ptr + row64, event)
 
@@ -125,9 +118,7 @@ def _dense_adam_kernel(p_ptr, m_ptr, v_ptr, g_ptr, n, beta1, one_minus_beta1, be
     u = m / (tl.sqrt(v) + eps) * step_size
     u += tl.where(u * p > 0, p * decay_wd, 0.0)
     p = p - u
-    if _ROUND_BEFORE_CAST and p_ptr.dtype.element_ty == tl.bfloat16:
-        p = round_to_bf16(p)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    store_rounded(p_ptr + offs, p, mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     tl.store(g_ptr + offs, tl.zeros_like(g), mask=mask)
