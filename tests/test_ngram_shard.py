@@ -27,7 +27,7 @@ from gloo_group import init_gloo, leave, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanogpt_pl.distributed.ngram_shard import NgramShard
+from nanogpt_pl.distributed.ngram_shard import GradientQueue, NgramShard
 from nanogpt_pl.distributed.side_files import RANK_LOCAL_KEY, load_rank_local, rank_file, save_rank_local
 from nanogpt_pl.distributed.sparse_channels import SparseChannels
 from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
@@ -380,3 +380,117 @@ def test_lazy_adam_event_counter_advances_without_rows():
     adam.update_(table, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2), lr=0.1, beta2=0.9, eps=1e-10,
                  weight_decay=0.0)
     assert adam.event == 1
+
+
+# -- the cycle's gradient queue (one buffer, no concatenation at the event) ----------------
+
+
+def _pairs(gen: torch.Generator, sizes: list[int], dtype: torch.dtype = torch.float32) -> list:
+    return [(torch.randint(0, ROWS, (n,), generator=gen), torch.randn(n, DIM, generator=gen).to(dtype))
+            for n in sizes]
+
+
+@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+def test_gradient_queue_holds_copies_of_what_was_appended(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q, pairs = GradientQueue(), _pairs(gen, [5, 17, 3, 40, 8, 1, 29])
+    for i, (rows, grad) in enumerate(pairs):
+        q.append(rows, grad)  # grows inside the cycle: earlier pairs are carried over
+        got = list(q)
+        assert len(got) == i + 1 and all(torch.equal(a, r) and torch.equal(b, g)
+                                         for (a, b), (r, g) in zip(got, pairs)), f"seed {seed} after {i + 1}"
+    rows, grads = q.whole()
+    assert torch.equal(rows, torch.cat([r for r, _ in pairs])) and torch.equal(grads, torch.cat([g for _, g in pairs]))
+    for r, g in pairs:  # the caller's buffers are reused (a graph's next replay): the queue keeps its copy
+        r.fill_(7)
+        g.fill_(123.0)
+    assert torch.equal(q.whole()[1], grads.clone()) and not (q.whole()[1] == 123.0).all()
+
+
+@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+def test_gradient_queue_allocates_once_for_a_run_of_equal_cycles(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q = GradientQueue()
+    pointers = []
+    for cycle in range(4):
+        pairs = _pairs(gen, [16] * 6)
+        for rows, grad in pairs:
+            q.append(rows, grad)
+        rows, grads = q.whole()
+        assert torch.equal(grads, torch.cat([g for _, g in pairs])), f"seed {seed} cycle {cycle}"
+        pointers.append(grads.data_ptr())
+        q.clear()
+        assert not q and q.capacity == 96  # the first cycle's growth is cut back to what it used
+    assert len(set(pointers[1:])) == 1  # cycles 2-4 write into the same buffer
+    for rows, grad in _pairs(gen, [16] * 3):  # a shorter cycle (a run's last): cut back to its size
+        q.append(rows, grad)
+    q.clear()
+    assert q.capacity == 48
+    q.append(*_pairs(gen, [8])[0])
+    q.clear(trim=False)  # a reset keeps the buffer
+    assert q.capacity == 48
+
+
+def test_gradient_queue_promotes_dtypes_and_rejects_other_widths() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = GradientQueue()
+    (r1, g1), (r2, g2) = _pairs(gen, [4], torch.bfloat16)[0], _pairs(gen, [6])[0]
+    q.append(r1, g1)
+    q.append(r2, g2)
+    assert q.whole()[1].dtype == torch.float32
+    assert torch.equal(q.whole()[1], torch.cat([g1.float(), g2]))  # the bf16 values carried over exactly
+    with pytest.raises(ValueError, match="gradient rows of shape"):
+        q.append(torch.zeros(2, dtype=torch.long), torch.zeros(2, DIM + 1))
+    with pytest.raises(ValueError, match="gradient of 3 rows for 2 row ids"):
+        q.append(torch.zeros(2, dtype=torch.long), torch.zeros(3, DIM))
+
+
+def test_gradient_queue_replace() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = GradientQueue()
+    for rows, grad in _pairs(gen, [5, 7]):
+        q.append(rows, grad)
+    rows, grads = q.whole()
+    q.replace(rows, grads)  # its own contents: held as one pair, where they are
+    assert len(q) == 1 and q.whole()[1].data_ptr() == grads.data_ptr() and torch.equal(q.whole()[0], rows)
+    new_rows, new_grads = _pairs(gen, [3])[0]
+    q.replace(new_rows, new_grads)
+    assert len(q) == 1 and torch.equal(q.whole()[0], new_rows) and torch.equal(q.whole()[1], new_grads)
+    q.replace(new_rows[:0], new_grads[:0])
+    assert not q
+
+
+@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+def test_one_rank_event_reads_the_queue_without_concatenating_it(seed: int, monkeypatch) -> None:
+    """The world-1 fixed event on micro-batches of different padded sizes (the buffer grows mid-cycle)
+    updates the table exactly as the reference exchange does, and no concatenation of the queue runs."""
+    gen = torch.Generator().manual_seed(seed)
+    fixed, ref = NgramShard(ROWS, DIM, exchange="fixed"), NgramShard(ROWS, DIM, exchange="reference")
+    start = torch.randn(ROWS, DIM, generator=gen) * 0.1
+    for shard in (fixed, ref):
+        shard.weight.copy_(start)
+    real_cat = torch.cat
+    queued_rows = []
+
+    def guarded_cat(tensors, *args, **kwargs):
+        out = real_cat(tensors, *args, **kwargs)
+        assert out.shape[0] < sum(queued_rows) or out.dim() != 2, "the event concatenated the queue"
+        return out
+
+    for event in range(3):
+        queued_rows.clear()
+        for pad in (60, 90, 48, 120):  # the first cycle grows the buffer at every size change
+            ids = torch.randint(0, VOCAB, (24,), generator=gen)
+            a, b = ref.prepare(ids), fixed.prepare(ids, pad_to=pad)
+            u = a.rows.numel()
+            grad = torch.randn(u, DIM, generator=gen)
+            ref.push(a.rows, grad)
+            fixed.push(b.rows, torch.cat([grad, torch.zeros(pad - u, DIM)]))
+            queued_rows.append(pad)
+        monkeypatch.setattr(torch, "cat", guarded_cat)
+        fixed.step(lr=0.01, betas=(0.0, 0.95), eps=1e-10, weight_decay=0.005)
+        monkeypatch.setattr(torch, "cat", real_cat)
+        ref.step(lr=0.01, betas=(0.0, 0.95), eps=1e-10, weight_decay=0.005)
+        assert torch.equal(fixed.weight, ref.weight), f"seed {seed} event {event}"
+        assert torch.equal(fixed.adam.v, ref.adam.v) and fixed.pending_rows() == 0
+    assert not torch.equal(fixed.weight, start)

@@ -36,7 +36,7 @@ goes to a checkpoint side file (``side_files``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,103 @@ from .row_exchange import (
     unique_fixed,
 )
 from .side_files import STATE_FORMAT
+
+
+class GradientQueue:
+    """A cycle's queued ``(rows, grad)`` pairs, laid end to end in one buffer that is kept.
+
+    Each append copies its pair into the next free slice: a copy is needed anyway (under CUDA
+    graphs the gradient is the graph's buffer, which the next replay overwrites), and the
+    event then reads the whole cycle as one pair (:meth:`whole`) instead of concatenating the
+    queue, which at the record's stage 2 is 32 micro-batches x 98,304 rows x 768 fp32 (9.7 GB
+    a cycle, read and written again, and held twice while the concatenation runs).
+
+    The buffer grows inside a cycle (to the larger of what is needed and 1.25x, copying what
+    it holds) and, when a cycle ends, is cut back to exactly what that cycle used, so a run of
+    equal cycles (a stage's) allocates once. Its dtype is the promotion of every gradient
+    appended (float32 from the model's fp32 leaves), so the stored values are exact.
+    """
+
+    GROWTH = 1.25
+
+    def __init__(self) -> None:
+        self._rows: Optional[Tensor] = None
+        self._grads: Optional[Tensor] = None
+        self._lengths: list[int] = []
+        self._used = 0
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __bool__(self) -> bool:
+        return bool(self._lengths)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """The queued pairs in push order (views into the buffer)."""
+        start = 0
+        for n in self._lengths:
+            yield self._rows[start:start + n], self._grads[start:start + n]
+            start += n
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._rows is None else self._rows.numel()
+
+    def append(self, rows: Tensor, grad: Tensor) -> None:
+        """Copy one pair (``grad.shape[0] == rows.numel()``) behind the queued ones."""
+        n = rows.numel()
+        if grad.shape[0] != n:
+            raise ValueError(f"gradient of {grad.shape[0]} rows for {n} row ids")
+        self._reserve(self._used + n, rows, grad)
+        self._rows[self._used:self._used + n].copy_(rows)
+        self._grads[self._used:self._used + n].copy_(grad)
+        self._used += n
+        self._lengths.append(n)
+
+    def whole(self) -> tuple[Tensor, Tensor]:
+        """Every queued pair as one ``(rows, grads)`` pair, in push order (views, no copy)."""
+        if self._rows is None:
+            raise RuntimeError("GradientQueue.whole: nothing was ever queued")
+        return self._rows[:self._used], self._grads[:self._used]
+
+    def replace(self, rows: Tensor, grad: Tensor) -> None:
+        """Hold ``(rows, grad)`` as the only pair (a merged cycle); nothing if ``rows`` is empty."""
+        if self._rows is not None and rows.numel() == self._used and self._used > 0 \
+                and rows.data_ptr() == self._rows.data_ptr() and grad.data_ptr() == self._grads.data_ptr():
+            self._lengths = [self._used]  # already where it would be copied to
+            return
+        self._lengths, self._used = [], 0
+        if rows.numel():
+            self.append(rows, grad)
+
+    def clear(self, trim: bool = True) -> None:
+        """Empty the queue (the buffer stays); with ``trim``, cut the buffer back to this cycle's use."""
+        used = self._used
+        self._lengths, self._used = [], 0
+        if trim and used and self.capacity > used:
+            shape, dtypes, device = self._grads.shape[1:], (self._rows.dtype, self._grads.dtype), self._rows.device
+            self._rows = self._grads = None  # released before the smaller buffer is taken
+            self._rows = torch.empty(used, dtype=dtypes[0], device=device)
+            self._grads = torch.empty(used, *shape, dtype=dtypes[1], device=device)
+
+    def _reserve(self, total: int, rows: Tensor, grad: Tensor) -> None:
+        grads_dtype = grad.dtype if self._grads is None else torch.promote_types(self._grads.dtype, grad.dtype)
+        rows_dtype = rows.dtype if self._rows is None else torch.promote_types(self._rows.dtype, rows.dtype)
+        fits = (self._rows is not None and total <= self.capacity and self._grads.shape[1:] == grad.shape[1:]
+                and (rows_dtype, grads_dtype) == (self._rows.dtype, self._grads.dtype)
+                and self._rows.device == rows.device)
+        if fits:
+            return
+        if self._grads is not None and self._grads.shape[1:] != grad.shape[1:]:
+            raise ValueError(f"gradient rows of shape {tuple(grad.shape[1:])}; the queue holds "
+                             f"{tuple(self._grads.shape[1:])}")
+        capacity = max(total, int(self.GROWTH * self.capacity))
+        new_rows = torch.empty(capacity, dtype=rows_dtype, device=rows.device)
+        new_grads = torch.empty(capacity, *grad.shape[1:], dtype=grads_dtype, device=rows.device)
+        if self._used:
+            new_rows[:self._used].copy_(self._rows[:self._used])
+            new_grads[:self._used].copy_(self._grads[:self._used])
+        self._rows, self._grads = new_rows, new_grads
 
 
 class NgramShard:
@@ -119,7 +216,7 @@ class NgramShard:
         self.adam = LazyRowAdam(self.rows_per_rank, device, state_dtype)
         self.grad_wire_dtype = grad_wire_dtype or dtype
         self.params: list = []  # the table is deliberately not an nn.Parameter: it never gets a .grad
-        self._queue: list[tuple[Tensor, Tensor]] = []
+        self._queue = GradientQueue()
 
     @property
     def device(self) -> torch.device:
@@ -140,8 +237,9 @@ class NgramShard:
         n = rows.numel()
         if grad.shape[0] < n or grad.shape[-1] != self.dim:
             raise ValueError(f"gradient of shape {tuple(grad.shape)} for {n} rows of width {self.dim}")
-        # a copy: under CUDA graphs the gradient is the graph's buffer, which the next replay overwrites
-        self._queue.append((rows.to(self.device), grad[:n].detach().clone()))
+        # copied into the cycle's queue: under CUDA graphs the gradient is the graph's buffer,
+        # which the next replay overwrites
+        self._queue.append(rows.to(self.device), grad[:n].detach())
 
     def prepare(self, input_ids: Tensor, requires_grad: bool = True, pad_to: Optional[int] = None,
                 leaf_dtype: torch.dtype = torch.float32) -> NgramInput:
@@ -181,12 +279,16 @@ class NgramShard:
 
         With the fixed exchange the rows are padded with the sentinel to the queue's total length.
         """
-        if self.fixed and self._queue:
-            rows, grads = merge_compact_fixed(self._queue, self.exchange.sentinel)
-        else:
-            rows, grads = merge_compact(self._queue, (0, self.dim), self.device)
-        self._queue = [(rows, grads)] if rows.numel() else []
+        rows, grads = self._merged()
+        self._queue.replace(rows, grads)
         return rows, grads
+
+    def _merged(self) -> tuple[Tensor, Tensor]:
+        """:meth:`merged_gradient` without holding the result as the queue (the event's use)."""
+        if self.fixed and self._queue:
+            # the queue read as one padded list: a single micro-batch is merged already
+            return merge_compact_fixed([self._queue.whole()], self.exchange.sentinel, force=len(self._queue) > 1)
+        return merge_compact(list(self._queue), (0, self.dim), self.device)
 
     @torch.no_grad()
     def step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -199,16 +301,15 @@ class NgramShard:
         if self.fixed and self.world == 1 and self._queue:
             # one rank: no exchange, so the merge folds into the update (each row sums its own
             # terms from the sorted queue; no merged buffer, no atomics)
-            rows = torch.cat([r for r, _ in self._queue])
-            src = torch.cat([g for _, g in self._queue])
+            rows, src = self._queue.whole()  # the cycle end to end, no concatenation
             seg = segments_fixed(rows, rows.numel(), self.exchange.sentinel)
             local = torch.where(seg.unique < self.exchange.stop, seg.unique - self.start,
                                 torch.full_like(seg.unique, self.exchange.scratch))
             self.adam.update_segments_(self._rows, local, src, seg.order, seg.offsets, seg.slot, lr=lr,
                                        beta2=betas[1], eps=eps, weight_decay=weight_decay)
-            self._queue = []
+            self._queue.clear()
             return
-        rows, grads = self.merged_gradient()
+        rows, grads = self._merged()
         if self.fixed and rows.numel():
             # several ranks: each owner gets every rank's terms of its rows and the row update sums
             # them itself (own request first, then the peers by rank, as the reference adds them),
@@ -218,13 +319,13 @@ class NgramShard:
             self.adam.update_segments_(self._rows, seg.unique, own, seg.order, seg.offsets, seg.slot, lr=lr,
                                        beta2=betas[1], eps=eps, weight_decay=weight_decay, src2=received,
                                        grad_divisor=self.world)
-            self._queue = []
+            self._queue.clear()
             return
         local, merged = self.exchange.reduce_to_owners(rows, grads, self.grad_wire_dtype)
         if self.world > 1:
             merged.div_(self.world)  # the mean over ranks, as the dense optimizers average gradients
         self.adam.update_(self._rows, local, merged, lr=lr, beta2=betas[1], eps=eps, weight_decay=weight_decay)
-        self._queue = []
+        self._queue.clear()
 
     # -- whole-table helpers ---------------------------------------------------------
     def full_table(self) -> Tensor:
@@ -244,7 +345,7 @@ class NgramShard:
         """Zero the table and its Adam state (a fresh start, e.g. after untimed warmup steps)."""
         self.weight.zero_()
         self.adam = LazyRowAdam(self.rows_per_rank, self.device, self.adam.dtype, self.adam.fused)
-        self._queue = []
+        self._queue.clear(trim=False)
 
     def state_dict(self) -> dict[str, Any]:
         rows, grads = self.merged_gradient()
@@ -267,4 +368,4 @@ class NgramShard:
         rows, grads = state["pending_rows"].to(self.device), state["pending_grad"].to(self.device)
         if self.fixed:
             rows, grads = pad_to_common(rows, grads, self.exchange.sentinel, self.exchange.group)
-        self._queue = [(rows, grads)] if rows.numel() else []
+        self._queue.replace(rows, grads)
