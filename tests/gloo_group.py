@@ -42,7 +42,6 @@ def init_gloo(rank: int, world: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
-
 def leave() -> None:
     """End a rank whose work succeeded: exit code 0, skipping the interpreter's teardown."""
     gc.collect()

@@ -143,16 +143,14 @@ class GradientQueue:
             self._grads = torch.empty(used, *shape, dtype=dtypes[1], device=device)
 
     def _reserve(self, total: int, rows: Tensor, grad: Tensor) -> None:
-        grads_dtype = grad.dtype if self._grads is None else torch.promote_types(self._grads.dtype, grad.dtype)
-        rows_dtype = rows.dtype if self._rows is None else torch.promote_types(self._rows.dtype, rows.dtype)
-        fits = (self._rows is not None and total <= self.capacity and self._grads.shape[1:] == grad.shape[1:]
-                and (rows_dtype, grads_dtype) == (self._rows.dtype, self._grads.dtype)
-                and self._rows.device == rows.device)
-        if fits:
-            return
         if self._grads is not None and self._grads.shape[1:] != grad.shape[1:]:
             raise ValueError(f"gradient rows of shape {tuple(grad.shape[1:])}; the queue holds "
                              f"{tuple(self._grads.shape[1:])}")
+        grads_dtype = grad.dtype if self._grads is None else torch.promote_types(self._grads.dtype, grad.dtype)
+        rows_dtype = rows.dtype if self._rows is None else torch.promote_types(self._rows.dtype, rows.dtype)
+        if (self._rows is not None and total <= self.capacity and self._rows.device == rows.device
+                and (rows_dtype, grads_dtype) == (self._rows.dtype, self._grads.dtype)):
+            return
         capacity = max(total, int(self.GROWTH * self.capacity))
         new_rows = torch.empty(capacity, dtype=rows_dtype, device=rows.device)
         new_grads = torch.empty(capacity, *grad.shape[1:], dtype=grads_dtype, device=rows.device)

@@ -359,11 +359,13 @@ def merge_compact_fixed(entries: list[tuple[Tensor, Tensor]], fill: int, row_dim
     queue order, as in :func:`merge_compact`. A single entry is already merged unless
     ``force`` (entries with repeats, as at an owner).
     """
-    if len(entries) == 1 and not force:
-        rows, grads = entries[0]
-        return rows, grads.float()
-    rows = torch.cat([r for r, _ in entries])
-    grads = torch.cat([g.float() for _, g in entries], dim=row_dim)
+    if len(entries) == 1:
+        rows, grads = entries[0][0], entries[0][1].float()  # read as they are: a cat of one is a copy
+        if not force:
+            return rows, grads
+    else:
+        rows = torch.cat([r for r, _ in entries])
+        grads = torch.cat([g.float() for _, g in entries], dim=row_dim)
     unique, inverse = unique_fixed(rows, capacity or rows.numel(), fill)
     shape = list(grads.shape)
     shape[row_dim] = unique.numel()
