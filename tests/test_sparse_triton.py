@@ -243,6 +243,48 @@ def test_dense_adam_matches_pytorch_on_the_gpu():
     check_dense_adam("cuda", 4, 50_304, 768, torch.bfloat16, seed=4)  # RECORD §5's four planes
 
 
+def check_value_embed_event(device: str, vocab: int, dim: int, planes: int, seed: int) -> None:
+    """A one-rank value-embedding shard (fixed exchange) over two cycles, the block Adam fused
+    against PyTorch: the same tables, and the cycle buffer empty after each event (at one rank
+    the fused pass empties the token rows and only the scratch rows are zeroed after it)."""
+    from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    start = [torch.randn(vocab, dim, generator=gen) * 0.02 for _ in range(planes)]
+    cycles = [[torch.randint(0, vocab, (n,), generator=gen) for n in (vocab // 3, vocab // 2, vocab)]
+              for _ in range(2)]
+    grads = [[torch.randn(planes, min(t.numel(), vocab), dim, generator=gen) for t in cycle] for cycle in cycles]
+    out = []
+    for fused in (True, False):
+        tables = [t.clone().to(device) for t in start]
+        ve = ValueEmbedShard(tables, exchange="fixed")
+        ve.adam.fused = fused
+        for event, (cycle, cycle_grads) in enumerate(zip(cycles, grads)):
+            for tokens, g in zip(cycle, cycle_grads):
+                rows = ve.prepare(tokens.to(device))
+                g = g.to(device) * (rows.ids < vocab)[None, :, None]  # no token reads a padding row
+                ve.push(rows.ids, g)
+            ve.step(lr=0.56 * (1 - 0.1 * event), betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025)
+            buf, touched = ve._buffers()
+            assert not bool(buf.any()) and not bool(touched.any())  # the next cycle starts empty
+        out.append(tables)
+    for got, want, s in zip(*out, start):
+        assert not torch.equal(want.cpu(), s)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@interp
+def test_one_rank_value_embed_event_fused_matches_pytorch():
+    check_value_embed_event("cpu", 40, 24, 2, seed=11)
+
+
+@pytest.mark.cuda
+def test_one_rank_value_embed_event_fused_matches_pytorch_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_value_embed_event("cuda", 50_304, 768, 4, seed=12)  # RECORD §5's four planes
+
+
 def check_scatter_add(device: str, planes: int, rows: int, dim: int, n: int, seed: int) -> None:
     from nanogpt_pl.distributed.row_exchange import unique_fixed
     from nanogpt_pl.ops.triton.gather_rows import scatter_add_rows_triton_

@@ -189,9 +189,14 @@ class ValueEmbedShard:
             grad = self._owned_gradient()
             if self.world > 1:
                 grad.div_(self.world)
-            self.adam.update_dense_(blocks, grad, lr, betas, eps, weight_decay)
+            emptied = self.adam.update_dense_(blocks, grad, lr, betas, eps, weight_decay)
             if self._grad is not None:
-                self._grad.zero_()
+                if emptied and self.world == 1:
+                    # the Triton pass emptied the owned rows, at one rank every token's; what is
+                    # left are the scratch rows, which hold at most the padding's zero terms
+                    self._grad[:, self.hi - self.lo:].zero_()
+                else:
+                    self._grad.zero_()
                 self._touched.zero_()
             self._pending = False
         else:

@@ -321,14 +321,14 @@ class ShardAdam:
 
     @torch.no_grad()
     def update_dense_(self, blocks: list[Tensor], grad: Tensor, lr: float, betas: tuple[float, float], eps: float,
-                      weight_decay: float) -> None:
+                      weight_decay: float) -> bool:
         """:meth:`update_` with the whole block's gradient ``[planes, rows, D]`` (zero where untouched).
 
         The same numbers as :meth:`update_` and :meth:`update_rows_`: an untouched row's moments
         get ``β·m + (1-β)·0 = β·m``, a touched row's the same operations in the same order. On a
         GPU one Triton pass a plane does it (``nanogpt_pl.ops.triton.row_adam.dense_adam_``, the
-        same formulas, fp32 rounding may differ) and leaves ``grad`` zeroed; the caller zeroes it
-        anyway for the next cycle.
+        same formulas, fp32 rounding may differ) and leaves ``grad`` zeroed. Returns whether
+        ``grad`` was left zeroed (the PyTorch path leaves it as it was).
         """
         self._ensure_state(blocks[0].device)
         self.step += 1
@@ -340,7 +340,7 @@ class ShardAdam:
             for p, block in enumerate(blocks):  # one pass a plane; the gradient is left zeroed
                 dense_adam_(block, self.exp_avg[p], self.exp_avg_sq[p], grad[p], beta1, beta2, step_size, eps,
                             lr * lr * weight_decay)
-            return
+            return True
         for p, block in enumerate(blocks):
             m, v, g = self.exp_avg[p], self.exp_avg_sq[p], grad[p]
             for a in range(0, m.shape[0], DENSE_CHUNK_ROWS):
@@ -348,6 +348,7 @@ class ShardAdam:
                 m[a:a + DENSE_CHUNK_ROWS].mul_(beta1).add_(ga, alpha=1 - beta1)
                 v[a:a + DENSE_CHUNK_ROWS].mul_(beta2).add_(ga * ga, alpha=1 - beta2)
             _apply_moments_(block, m, v, self.step, lr, betas, eps, weight_decay)
+        return False
 
     def reset_(self) -> None:
         self.exp_avg = self.exp_avg_sq = None
