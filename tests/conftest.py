@@ -117,3 +117,15 @@ def toy_config():
 def run_cli():
     """``run_cli(args, cwd, timeout=600, threads=1)``: ``python main.py *args`` in a subprocess."""
     return _run_cli
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After a GPU test, free what its reference cycles still hold and return the cached blocks:
+    the record-size GPU tests each need most of an 80 GB card, one after another."""
+    yield
+    if request.node.get_closest_marker("cuda") is not None and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

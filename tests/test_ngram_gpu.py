@@ -14,6 +14,7 @@ from nanogpt_pl.model.embeddings import HashedNgramEmbedding
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 T, DIM, ROWS, VOCAB = 49_152, 768, 1 << 22, 50_304  # RECORD §9 tokens per rank, §2 width; a 6 GiB table
+CHUNK = 1 << 20  # rows per comparison: the tests fit an 80 GB card
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -57,7 +58,9 @@ def test_cuda_step_matches_float64_reference(seed):
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-3)  # bf16 storage of the result
     untouched = torch.ones(ROWS, dtype=torch.bool, device=dev)
     untouched[inp.rows] = False
-    assert torch.equal(shard.weight[untouched], before[untouched])
+    for a in range(0, ROWS, CHUNK):  # no table-sized masked copies on the GPU
+        keep = untouched[a:a + CHUNK]
+        assert torch.equal(shard.weight[a:a + CHUNK][keep], before[a:a + CHUNK][keep])
     assert int(shard.adam.last_event[inp.rows].min()) == 1 and int(shard.adam.last_event[untouched].max()) == 0
 
 
@@ -98,7 +101,7 @@ def test_cuda_fixed_exchange_never_waits_on_the_device():
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(5)
-    table = torch.randn(ROWS, DIM, device=dev, generator=gen).bfloat16() * 0.02
+    table = torch.randn(ROWS, DIM, device=dev, generator=gen, dtype=torch.bfloat16).mul_(0.02)
     planes0 = [(torch.randn(VOCAB, DIM, device=dev, generator=gen) * 0.01).bfloat16() for _ in range(2)]
     batches = [torch.randint(0, VOCAB, (T,), device=dev, generator=gen) for _ in range(2)]
     w = torch.randn(DIM, device=dev, generator=gen)
@@ -130,9 +133,12 @@ def test_cuda_fixed_exchange_never_waits_on_the_device():
                     opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        results[exchange] = (shard.weight.float(), [p.detach().float() for p in planes])
+        results[exchange] = (shard.weight.detach().clone(), [p.detach().float() for p in planes])
+        del shard, channels, opt, inputs
     (ref_table, ref_planes), (fix_table, fix_planes) = results["reference"], results["fixed"]
-    assert not torch.equal(ref_table, table.float())
-    torch.testing.assert_close(fix_table, ref_table, rtol=2e-2, atol=2e-3)
+    assert not torch.equal(ref_table, table)
+    for a in range(0, ROWS, CHUNK):
+        torch.testing.assert_close(fix_table[a:a + CHUNK].float(), ref_table[a:a + CHUNK].float(), rtol=2e-2,
+                                   atol=2e-3)
     for got, want in zip(fix_planes, ref_planes):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
