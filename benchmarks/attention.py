@@ -95,7 +95,9 @@ def flex_call(cu: torch.Tensor, n: int, window: int) -> Optional[Callable]:
     def mask_mod(b, h, qi, ki):
         return (seg[qi] == seg[ki]) & (qi >= ki) & (qi - ki <= window)
 
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device=cu.device)
+    # built by a compiled pass, as the model builds it: the eager build holds an N x N mask (72 GiB at
+    # the paired layers' 98,304 slots, more than an 80 GB card has)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=cu.device, _compile=True)
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def call(q, k, v):
