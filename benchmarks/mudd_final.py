@@ -1,0 +1,139 @@
+"""The post-loop MUDD mix (RECORD §2) compiled, forward + backward, against its memory floor.
+
+``Mudd.final`` mixes ten cached streams into the output, per channel group, with coefficients
+from a 64-wide hidden of the stream: ``x + Σ_k (μ_k + δ_{k,g})·src_k``. It reads ten
+``[N, 768]`` bf16 streams and writes one forward, and in the backward writes ten gradients and
+reads the streams again (the gradient of each coefficient is a per-group dot product). That is
+about 1.7 GB a stage-2 micro-batch, half a millisecond at an H100's bandwidth. The stage-2
+profile (BENCHMARKS.md, 2026-12-05) shows inductor kernels of 0.7-1.0 ms once a micro-batch
+whose names match this mix; this script times the mix alone to say how far it is from its floor.
+
+Rows (each compiled with ``torch.compile``, one forward + backward to x, the ten sources and the
+mix's weights, the same random inputs):
+
+- ``model``: ``nanogpt_pl.model.mudd.Mudd.final`` as the model runs it (stack, then a sum over
+  the sources; the per-group deltas as an einsum);
+- ``candidate``: the same function written for fusion: the deltas as one plain matmul of the
+  hidden (``[N, 64] x [64, K·G]``) and the sources summed one by one in fp32 (no ``[N, K, D]``
+  stack). It stays here until a GPU run shows it faster; then it replaces ``Mudd.final``.
+
+The floor is the bytes the backward and forward must move over the copy bandwidth measured in
+the same run (a ``[N, 768]`` bf16 ``copy_``, read + write). Also printed: the largest
+difference of the candidate from the model row (output and every gradient, relative to the
+largest value).
+
+    python benchmarks/mudd_final.py                 # 49,152 tokens (stage 2), about 20 s on an H100
+    python benchmarks/mudd_final.py --tokens 16384  # stage 0
+
+Without a GPU it checks the candidate against the model at a small size and times nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_timing import time_cuda  # noqa: E402
+
+from nanogpt_pl.model.mudd import FINAL_MIX_GROUPS, FINAL_MIX_SOURCES, MUDD_SCALE, Mudd  # noqa: E402
+
+DIM, HEADS = 768, 6  # RECORD §2
+
+
+def final_candidate(mudd: Mudd, x: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """``Mudd.final`` with the deltas as one matmul and the sources summed one by one (fp32)."""
+    block = mudd.final_mix
+    h = block.hidden(x)
+    k, g = len(sources), FINAL_MIX_GROUPS
+    deltas = (h @ block.w2g.type_as(h).reshape(k * g, -1).t()).view(-1, k, g) * MUDD_SCALE
+    c = (block.coefs(h, MUDD_SCALE)[:, :, None] + deltas).float()  # [N, K, G]
+    mix = None
+    for i, src in enumerate(sources):
+        term = c[:, i, :, None] * src.unflatten(-1, (g, -1)).float()
+        mix = term if mix is None else mix + term
+    return x + mix.flatten(-2).to(x.dtype)
+
+
+def make_inputs(n: int, device: torch.device, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    mudd = Mudd(DIM, HEADS)
+    with torch.no_grad():  # the zero-initialized delta weights random, so every term matters
+        mudd.final_mix.w2g.normal_(0.0, 0.02, generator=gen)
+        mudd.final_mix.w2.normal_(0.0, 0.02, generator=gen)
+    mudd = mudd.to(device=device, dtype=dtype)
+    x = torch.randn(n, DIM, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    sources = [torch.randn(n, DIM, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+               for _ in FINAL_MIX_SOURCES]
+    grad = torch.randn(n, DIM, generator=gen).to(device=device, dtype=dtype)
+    return mudd, x, sources, grad
+
+
+def run_once(fn: Callable, mudd: Mudd, x, sources, grad) -> list[torch.Tensor]:
+    """Output and gradients (x, sources, then the mix's weights) of one forward + backward."""
+    leaves = [x, *sources, *mudd.final_mix.parameters()]
+    for t in leaves:
+        t.grad = None
+    out = fn(mudd, x, sources)
+    out.backward(grad)
+    return [out.detach().float(), *[t.grad.float() for t in leaves]]
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((p - q).abs().max() / q.abs().max().clamp_min(1e-30)) for p, q in zip(a, b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=49_152, help="tokens per micro-batch (default: stage 2's)")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        mudd, x, sources, grad = make_inputs(256, torch.device("cpu"), torch.float32, seed=0)
+        diff = largest_difference(run_once(final_candidate, mudd, x, sources, grad),
+                                  run_once(lambda m, a, s: m.final(a, s), mudd, x, sources, grad))
+        print(f"no CUDA device: candidate against the model at 256 tokens (fp32, eager): largest relative "
+              f"difference {diff:.2e}; nothing timed")
+        return
+
+    device = torch.device("cuda")
+    mudd, x, sources, grad = make_inputs(args.tokens, device, torch.bfloat16, seed=0)
+    rows = {
+        "model": torch.compile(lambda m, a, s: m.final(a, s)),
+        "candidate": torch.compile(final_candidate),
+    }
+    results, times = {}, {}
+    params = [x, *sources, *mudd.final_mix.parameters()]
+    for name, fn in rows.items():
+        results[name] = run_once(fn, mudd, x, sources, grad)
+        times[name] = time_cuda(lambda fn=fn: fn(mudd, x, sources).backward(grad), 5, args.iters, params).median_ms
+
+    src = torch.empty_like(x)
+    dst = torch.empty_like(x)
+    copy_ms = time_cuda(lambda: dst.copy_(src), 5, args.iters).median_ms
+    stream_bytes = x.numel() * x.element_size()
+    bandwidth = 2 * stream_bytes / (copy_ms * 1e-3)  # bytes a second, read + write
+    k = len(sources)
+    # forward: read x and the K sources, write the output; backward: read the output gradient and
+    # the K sources, write the K source gradients and x's
+    floor_bytes = stream_bytes * ((k + 2) + (k + 1 + k + 1))
+    floor_ms = floor_bytes / bandwidth * 1e3
+
+    print(f"MUDD final mix, forward + backward, compiled: {args.tokens} tokens x {DIM}, {k} sources, bf16")
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {args.iters}")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.2f} GB moved = {floor_ms:.3f} ms")
+    print(f"{'row':<10} {'ms':>8} {'x floor':>8} {'vs model':>9}")
+    for name, ms in times.items():
+        print(f"{name:<10} {ms:8.3f} {ms / floor_ms:7.2f}x {times['model'] / ms:8.2f}x")
+    diff = largest_difference(results["candidate"], results["model"])
+    print(f"candidate against model: largest relative difference {diff:.2e} (output and gradients, bf16)")
+
+
+if __name__ == "__main__":
+    main()
