@@ -34,6 +34,11 @@ same run, and gives config/overlay.
 variant in its own process of the same run, and gives plain/variant: a same-run A/B of backends or
 switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``.
 
+``--rounds R`` runs the whole sequence of loops R times, back to back (plain, its variants, plain,
+...), and reports each loop's median round, every round's ms/step and each variant's ratio within
+every round: one H100 gave the same code's plain loop 180 and 207 ms/step in two calls, and loops
+of one call differed by several percent, so a single A/B of a few percent says little.
+
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
@@ -147,6 +152,21 @@ def parse_variants(variants: list[list[str]]) -> list[tuple[str, list[str]]]:
             sys.exit(f"step_time: --variant {name}: the name is taken; give each variant its own")
         out.append((name, sets))
     return out
+
+
+def combine_rounds(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each loop's result over the rounds: its median round (the lower middle one for an even
+    count), with every round's seconds under ``rounds``."""
+    out = {}
+    for mode, results in runs.items():
+        middle = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]
+        out[mode] = {**middle, "rounds": [r["seconds"] for r in results]}
+    return out
+
+
+def round_ratios(runs: dict[str, list[dict]], a: str, b: str) -> list[float]:
+    """``a``'s time over ``b``'s within each round (the loops of one round ran back to back)."""
+    return [ra["seconds"] / rb["seconds"] for ra, rb in zip(runs[a], runs[b])]
 
 
 def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]]) -> list[str]:
@@ -496,8 +516,12 @@ def main() -> None:
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     ap.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME KEY=VALUE",
                     help="also time the plain loop with these overrides (repeatable; same run, ratio to plain)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every loop this many times, interleaved; report the median round and each round")
     ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.rounds < 1:
+        sys.exit(f"step_time: --rounds {a.rounds}: give 1 or more")
     variants = parse_variants(a.variant)
     if a.against and not Path(a.against).is_file():
         sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
@@ -523,28 +547,31 @@ def main() -> None:
         return
 
     # each loop in its own process, so neither sees the other's memory or compile caches
-    results = {}
+    runs: dict[str, list[dict]] = {}
     modes = ["plain", "lightning"] if a.only == "both" else [a.only]
     if a.eager and "plain" in modes:
         modes.insert(modes.index("plain") + 1, "plain-eager")
     if a.against:
         modes.append("against")
     modes += [f"variant {name}" for name, _ in variants]
-    for mode in modes:
-        cmd = child_command(sys.argv[1:], mode, variants)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if (a.profile or a.cprofile) and mode != "lightning":
-            print(proc.stderr[-40000:])
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-5000:])
-            sys.exit(f"the {mode} loop failed (exit {proc.returncode})")
-        results[mode] = json.loads(lines[-1][len("RESULT "):])
-        # each loop's figure as soon as it is in: a run cut short (a time limit) keeps what it measured
-        r = results[mode]
-        graphs = f"; {r['graphs']}" if r.get("graphs") else ""
-        print(f"{mode}: {1e3 * r['seconds'] / a.steps:.1f} ms/step, "
-              f"{stage['batch_tokens'] * a.steps / r['seconds']:,.0f} tokens/s{graphs}", flush=True)
+    for rnd in range(a.rounds):
+        for mode in modes:
+            cmd = child_command(sys.argv[1:], mode, variants)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if (a.profile or a.cprofile) and mode != "lightning":
+                print(proc.stderr[-40000:])
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                print(proc.stdout[-3000:], proc.stderr[-5000:])
+                sys.exit(f"the {mode} loop failed (exit {proc.returncode})")
+            r = json.loads(lines[-1][len("RESULT "):])
+            runs.setdefault(mode, []).append(r)
+            # each loop's figure as soon as it is in: a run cut short (a time limit) keeps what it measured
+            graphs = f"; {r['graphs']}" if r.get("graphs") else ""
+            which = f" (round {rnd + 1} of {a.rounds})" if a.rounds > 1 else ""
+            print(f"{mode}{which}: {1e3 * r['seconds'] / a.steps:.1f} ms/step, "
+                  f"{stage['batch_tokens'] * a.steps / r['seconds']:,.0f} tokens/s{graphs}", flush=True)
+    results = combine_rounds(runs)
     tokens = stage["batch_tokens"]  # one device holds the whole global batch
     flops_tok = next(iter(results.values()))["flops_tok"]
     print(f"\nstep_time: {a.config} stage {a.stage} ({tokens} tokens/step, seq_len {stage['seq_len']}, "
@@ -566,6 +593,10 @@ def main() -> None:
     for r in results.values():
         if r.get("graphs"):
             print(r["graphs"])
+    if a.rounds > 1:
+        print(f"each loop's median of {a.rounds} rounds above; every round, ms/step:")
+        for mode, r in results.items():
+            print(f"  {mode:<12} " + ", ".join(f"{1e3 * sec / a.steps:.1f}" for sec in r["rounds"]))
     if "plain" in results and "plain-eager" in results:
         # the same loop and config with model.cuda_graphs=false: what the graphs buy (RECORD §11)
         print(f"captured/eager step time: {results['plain']['seconds'] / results['plain-eager']['seconds']:.3f}x "
@@ -575,8 +606,12 @@ def main() -> None:
               f"{results['plain']['seconds'] / results['against']['seconds']:.3f}x")
     for name, sets in variants:
         if "plain" in results and f"variant {name}" in results:
+            per_round = ""
+            if a.rounds > 1:
+                per_round = " (medians; per round " + ", ".join(
+                    f"{x:.3f}x" for x in round_ratios(runs, "plain", f"variant {name}")) + ")"
             print(f"plain / {name} ({' '.join(sets)}) step time: "
-                  f"{results['plain']['seconds'] / results[f'variant {name}']['seconds']:.3f}x")
+                  f"{results['plain']['seconds'] / results[f'variant {name}']['seconds']:.3f}x{per_round}")
 
 
 if __name__ == "__main__":

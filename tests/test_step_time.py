@@ -164,3 +164,30 @@ def test_the_lightning_clock_times_from_the_end_of_step_start_to_the_end_of_step
         if step in (2, 3):
             time.sleep(0.05)  # the time of steps 3 and 4
     assert 0.1 <= clock.seconds < 1.0
+
+
+def test_rounds_report_each_loops_median_round_and_the_ratio_within_every_round():
+    mod = _step_time()
+    runs = {
+        "plain": [{"seconds": 1.80, "peak": 1, "graphs": "a"}, {"seconds": 2.07, "peak": 2, "graphs": "b"},
+                  {"seconds": 1.90, "peak": 3, "graphs": "c"}],
+        "variant x": [{"seconds": 2.03, "peak": 4}, {"seconds": 1.97, "peak": 5}, {"seconds": 1.85, "peak": 6}],
+    }
+    combined = mod.combine_rounds(runs)
+    # the median round whole (its peak and graph report with it), and every round's time in run order
+    assert combined["plain"] == {"seconds": 1.90, "peak": 3, "graphs": "c", "rounds": [1.80, 2.07, 1.90]}
+    assert combined["variant x"]["seconds"] == 1.97 and combined["variant x"]["peak"] == 5
+    assert mod.round_ratios(runs, "plain", "variant x") == pytest.approx([1.80 / 2.03, 2.07 / 1.97, 1.90 / 1.85])
+    # an even count takes the lower middle round; one round is itself
+    two = mod.combine_rounds({"plain": [{"seconds": 3.0}, {"seconds": 2.0}]})
+    assert two["plain"]["seconds"] == 2.0 and two["plain"]["rounds"] == [3.0, 2.0]
+    assert mod.combine_rounds({"plain": [{"seconds": 2.5}]})["plain"] == {"seconds": 2.5, "rounds": [2.5]}
+
+
+def test_rounds_below_one_are_one_clear_error():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--rounds", "0"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == "step_time: --rounds 0: give 1 or more"
