@@ -19,7 +19,8 @@ Three parts, all in one run (each can be selected with --part):
    real text, a 4-step cadence; every all_to_all / all_gather is counted per rank. Value
    bytes are also shown rescaled to 768-wide bf16 rows (the GPU wire format).
    Both exchanges run: ``reference`` (exact sizes) and ``fixed`` (fixed capacity, no
-   host sync: every destination gets a slot of the whole request, so it sends more).
+   host sync: every destination gets a slot of a fixed size, the request's expected share
+   plus 10 standard deviations of the hashed rows' spread, so it sends more).
 3. **model** (no device): bytes per rank per step for 8 GPUs at the record's batch
    (T = 49,152 tokens per rank, 2T row ids), from the unique-row fractions measured on
    real text (one batch for the per-step pull; four batches for the per-event push); and
@@ -52,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanogpt_pl.distributed.ngram_shard import NgramShard  # noqa: E402
+from nanogpt_pl.distributed.row_exchange import slot_capacity  # noqa: E402
 from nanogpt_pl.distributed.sparse_channels import SparseChannels  # noqa: E402
 from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard  # noqa: E402
 from nanogpt_pl.model.embeddings import RECORD_NGRAM_ROWS, HashedNgramEmbedding, ngram_row_ids  # noqa: E402
@@ -352,19 +354,23 @@ def part_model(args, tokens: np.ndarray, source: str) -> None:
     print("  (the record pulls once per cycle from a lookahead want-list instead of every step: "
           f"{U4 * remote * (row + rid) / CADENCE / 2**20:.1f} MiB/step for its pull)")
     # The fixed exchange (compiled or CUDA-graph runs; nanogpt_pl.distributed.row_exchange): every
-    # destination gets a slot of the whole request, whatever the text, so the bytes follow from the
-    # capacities alone: 2T rows a pull, CADENCE·2T queued rows an event, the value embeddings' whole
-    # blocks.
+    # destination gets a slot of S rows whatever the text, so the bytes follow from the capacities
+    # alone: C = 2T rows a pull, CADENCE·2T queued rows an event, each with the hashed rows' slots
+    # (row_exchange.slot_capacity); the value embeddings' whole blocks.
     C_pull, C_event = 2 * T, CADENCE * 2 * T
+    per_rank = -(-RECORD_NGRAM_ROWS // W)
+    bounds = [r * per_rank for r in range(W + 1)]
+    S_pull, S_event = slot_capacity(C_pull, bounds), slot_capacity(C_event, bounds)
     fixed_lines = [
-        ("ngram pull ids (each step)", (W - 1) * C_pull * rid),
-        ("ngram pull values (each step)", (W - 1) * C_pull * row),
-        ("ngram push ids (per event / 4)", (W - 1) * C_event * rid / CADENCE),
-        ("ngram push values (per event / 4)", (W - 1) * C_event * row / CADENCE),
+        ("ngram pull ids (each step)", (W - 1) * S_pull * rid),
+        ("ngram pull values (each step)", (W - 1) * S_pull * row),
+        ("ngram push ids (per event / 4)", (W - 1) * S_event * rid / CADENCE),
+        ("ngram push values (per event / 4)", (W - 1) * S_event * row / CADENCE),
         ("VE push values (per event / 4)", VE_PLANES * VOCAB * row * remote / CADENCE),
         ("VE all_gather (per event / 4)", VE_PLANES * VOCAB * row * remote / CADENCE),
     ]
-    print("fixed exchange (no host sync; what compiled and CUDA-graph runs use), from its capacities:")
+    print("fixed exchange (no host sync; what compiled and CUDA-graph runs use), from its capacities: "
+          f"slots per destination {S_pull:,} of a pull's {C_pull:,} rows, {S_event:,} of an event's {C_event:,}")
     fixed_total = 0.0
     for name, b in fixed_lines:
         fixed_total += b

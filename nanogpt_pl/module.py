@@ -98,7 +98,7 @@ class OptimConfig:
             them in the dense Adam part.
         sparse_exchange: how the sparse channels move rows between ranks
             (``nanogpt_pl.distributed.row_exchange``): ``fixed`` (capacities from the batch plan,
-            no host sync; at 8 ranks about 12x the bytes of exact sizes, BENCHMARKS.md),
+            no host sync; at 8 ranks about 2.3x the bytes of exact sizes, BENCHMARKS.md),
             ``reference`` (exact sizes; the counts are read on the host at every pull and event)
             or ``auto`` (``fixed`` when the leaves have fixed shapes, i.e. with compile or CUDA
             graphs, else ``reference``). Either works with fixed leaf shapes and gives the same

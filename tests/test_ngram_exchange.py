@@ -21,6 +21,7 @@ the guard does trip on the reference exchange.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -41,13 +42,15 @@ from nanogpt_pl.model.embeddings import HashedNgramEmbedding
 from nanogpt_pl.optim.sparse_adam import SparseAdam
 
 ROWS, DIM, VOCAB, PLANES = 202, 8, 37, 2  # a small table and vocabulary: ranks share rows
-TOKENS, MICRO_PER_RANK, STEPS = 24, 2, 6
+# 2 x 160 n-gram rows a pull: enough that at 2-8 ranks the fixed exchange's hashed slots per
+# destination (row_exchange.slot_capacity) are smaller than the request
+TOKENS, MICRO_PER_RANK, STEPS = 160, 2, 6
 EVENTS = (1, 4, 5)  # cycles of 2, 3 and 1 steps: queues of 4, 6 and 2 micro-batches per rank
 RESUME_AFTER = 2  # mid-cycle: the fixed copy restarts from the reference copy's checkpoint here
 CHECKS_AT_RESUME = 5
 WIRES = (None, torch.bfloat16)
-CHECKS_PER_MICRO = 10
-CHECKS_PER_EVENT = 13 + PLANES
+CHECKS_PER_MICRO = 11
+CHECKS_PER_EVENT = 14 + PLANES
 
 
 class Channels:
@@ -105,6 +108,8 @@ def compare(group, seed: int, wire: Optional[torch.dtype], check: Checker) -> No
             loss_f, b = fix.forward(ids, target)
             at = f"{where} step {step} micro {i}"
             u, n = a["ngram"].rows.numel(), a["value_rows"].ids.numel()
+            cap = b["ngram"].rows.numel()
+            check((fix.shard.exchange.slots(cap) < cap) == (world > 1), f"{at}: pull slots below the request")
             check(torch.equal(b["ngram"].rows[:u], a["ngram"].rows), f"{at}: n-gram rows")
             check(bool((b["ngram"].rows[u:] == fix.shard.exchange.sentinel).all()), f"{at}: n-gram padding ids")
             check(torch.equal(b["ngram"].index, a["ngram"].index), f"{at}: n-gram index")
@@ -126,6 +131,8 @@ def compare(group, seed: int, wire: Optional[torch.dtype], check: Checker) -> No
         rows_r, grads_r = ref.shard.merged_gradient()
         rows_f, grads_f = fix.shard.merged_gradient()
         u = rows_r.numel()
+        check((fix.shard.exchange.slots(rows_f.numel()) < rows_f.numel()) == (world > 1),
+              f"{at}: event slots below the request")
         check(torch.equal(rows_f[:u], rows_r) and bool((rows_f[u:] == fix.shard.exchange.sentinel).all()),
               f"{at}: merged n-gram rows")
         check(torch.equal(grads_f[:u], grads_r), f"{at}: merged n-gram gradient")
@@ -480,3 +487,58 @@ def test_pushed_gradients_survive_the_caller_reusing_its_buffer(exchange: str) -
         merged.append([c.channels.channels()[name].merged_gradient() for name in ("ngram", "value_embeds")])
     for (rows, grads), (got_rows, got_grads) in zip(*merged):
         assert torch.equal(got_rows, rows) and torch.equal(got_grads, grads)
+
+
+# -- the hashed slots per destination ----------------------------------------------------------
+def test_slot_capacity_is_a_binomial_bound_on_hashed_requests() -> None:
+    from nanogpt_pl.distributed.row_exchange import SLOT_MARGIN, SLOT_SIGMAS, slot_capacity
+
+    assert (SLOT_SIGMAS, SLOT_MARGIN) == (10.0, 64)
+    # 8 equal owners of RECORD §3's 84,602,880 rows, a stage-2 pull of 2 x 49,152 rows (RECORD §9):
+    # 12,288 expected a destination, 10 deviations 1,036.9, so 13,325 + 64 slots instead of 98,304
+    record = [r * 10_575_360 for r in range(9)]
+    assert slot_capacity(98_304, record) == 13_389
+    assert slot_capacity(98_304, record, spread="any") == 98_304  # a rank may ask one owner for everything
+    assert slot_capacity(98_304, [0, 84_602_880]) == 98_304  # one rank: the whole request
+    assert slot_capacity(100, record) == 100  # small requests keep full slots
+    assert slot_capacity(0, record) == 0
+    # unequal blocks: the largest block's share sets the bound
+    assert slot_capacity(10_000, [0, 100, 400]) == math.ceil(10_000 * 0.75 + 10 * math.sqrt(10_000 * 0.75 * 0.25)) + 64
+    with pytest.raises(ValueError, match=r"row exchange spread='uniform': choose one of \('any', 'hashed'\)"):
+        slot_capacity(10, record, spread="uniform")
+
+
+def _overflow_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    from nanogpt_pl.distributed.row_exchange import OVERFLOW_MESSAGE, RowExchange
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world, store)
+    result = {}
+    try:
+        exchange = RowExchange([0, 1000, 2000], spread="hashed")
+        assert exchange.slots(1000) == 723  # 500 + 10 x 15.81 (rounded up) + 64
+        other = torch.arange(1000) + 1000 * (1 - rank)  # the whole of the other rank's block: not hashes
+        try:
+            exchange.pull_fixed(other, lambda local: torch.zeros(local.numel(), 4))
+            result["overflow"] = "no error"
+        except RuntimeError as e:
+            result["overflow"] = str(e)
+        # a request that fits goes through with the same slots
+        fits = torch.cat([torch.arange(300) + 1000 * (1 - rank), torch.full((700,), exchange.sentinel)])
+        got = exchange.pull_fixed(fits, lambda local: (local + exchange.start).float()[:, None].expand(-1, 4))
+        result["fits"] = torch.equal(got[:300, 0], fits[:300].float()) and bool((got[300:] == 0).all())
+        result["message"] = OVERFLOW_MESSAGE
+    finally:
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    leave()
+
+
+@pytest.mark.slow
+def test_a_request_past_its_slot_stops_the_run_with_the_fix(tmp_path: Path) -> None:
+    mp.spawn(_overflow_worker, args=(2, store_path(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["message"] in result["overflow"], result["overflow"]
+        assert "model.optim.sparse_exchange: reference" in result["message"]
+        assert result["fits"] is True

@@ -196,7 +196,10 @@ class NgramShard:
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.rows_per_rank = -(-ngram_rows // self.world)
-        self.exchange = RowExchange([r * self.rows_per_rank for r in range(self.world + 1)], process_group, device)
+        # the rows are hashes (RECORD §3), spread evenly over the owners: the fixed exchange's slots
+        # per destination are a binomial bound, not the whole request (row_exchange.slot_capacity)
+        self.exchange = RowExchange([r * self.rows_per_rank for r in range(self.world + 1)], process_group, device,
+                                    spread="hashed")
         self.start = self.exchange.start
         try:
             # RECORD §2 "Initialization": the n-gram table starts at zero. One scratch row past the

@@ -19,24 +19,31 @@ Two exchanges do this:
   Deduplication is a sort plus segment marks (:func:`unique_fixed`) into a buffer of that
   capacity, padded with a sentinel row id that sorts after every real row and belongs to
   no owner. Each destination gets
-  a slot of the full capacity ``C`` (a rank can ask one owner for at most all of its
-  ``C`` rows), so every ``all_to_all`` has equal, host-known splits. The receiver maps
+  a slot of ``S`` rows, so every ``all_to_all`` has equal, host-known splits. By default
+  ``S = C`` (a rank can ask one owner for at most all of its ``C`` rows). Where the row
+  ids are hashes (the n-gram table, RECORD §3: ``spread="hashed"``), a request's
+  distinct rows fall on the owners' blocks as a binomial draw, and ``S`` is
+  :func:`slot_capacity`: the largest block's share of ``C`` plus :data:`SLOT_SIGMAS`
+  standard deviations (at 8 ranks and ``C = 2T`` at stage 2, 13,389 slots instead of
+  98,304). A request that overflows a slot stops the run with a device-side assert that
+  names the fix (never a dropped row). The receiver maps
   the sentinel to its local *scratch row* (index = its block size), one spare row the
   shard and its optimizer state keep past their block, so padded entries read, add and
   write somewhere harmless without a data-dependent mask. Real rows come out bit for bit
   as in ``reference``: the same values move, and every row's gradient terms are added in
   the same order (own rows first, then the peers in rank order).
 
-  Memory bound of the fixed exchange, per call and per direction: ``W·C`` ids and
-  ``W·C`` rows of ``D`` values (``C`` = capacity from the plan, W ranks), i.e. W times
-  the worst case of one rank's request, never anything sized by the table. For the n-gram
-  pull ``C = 2T`` (T tokens of the rank's micro-batch; RECORD §9: T = 49,152 in stage 2,
-  so 8 · 98,304 · 768 bf16 = 1.2 GB at the record's size); for an event ``C`` is the
-  cycle's queued rows, at most 2T per micro-batch of the cycle.
+  Memory bound of the fixed exchange, per call and per direction: ``W·S`` ids and
+  ``W·S`` rows of ``D`` values (``C`` = capacity from the plan, ``S`` the slot, W ranks),
+  never anything sized by the table. For the n-gram pull ``C = 2T`` (T tokens of the
+  rank's micro-batch; RECORD §9: T = 49,152 in stage 2, so 8 · 13,389 · 768 bf16 = 165 MB
+  at the record's size, against 1.2 GB with full slots); for an event ``C`` is the
+  cycle's merged rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Callable, NamedTuple, Optional
 
@@ -46,6 +53,35 @@ from torch import Tensor
 
 # Ways to move rows (see the module docstring); "reference" keeps exact sizes.
 EXCHANGES = ("reference", "fixed")
+# How a request's rows fall on the owners: "any" (a rank may ask one owner for everything) or
+# "hashed" (uniform over the row space, as hashed n-gram rows are: slots of slot_capacity).
+SPREADS = ("any", "hashed")
+# A hashed request's slot per destination: the largest block's mean share plus this many standard
+# deviations of a binomial draw, plus SLOT_MARGIN. The chance that one draw passes 10 deviations
+# is below 1e-23, so a run's millions of draws never reach it unless the rows are not hashes.
+SLOT_SIGMAS = 10.0
+SLOT_MARGIN = 64
+OVERFLOW_MESSAGE = ("fixed row exchange: one rank's request overflowed its slot at an owner (its rows are "
+                    "not spread as hashes); set model.optim.sparse_exchange: reference (exact sizes)")
+
+
+def slot_capacity(capacity: int, boundaries: list[int], spread: str = "hashed") -> int:
+    """Slots per destination for a request of at most ``capacity`` distinct rows.
+
+    ``spread="any"``: ``capacity`` (one owner may get all of it). ``"hashed"``: the rows are
+    uniform over ``[boundaries[0], boundaries[-1])``, so owner r gets Binomial(n, p_r) of n ≤
+    ``capacity`` rows (p_r its block's share); the slot is the largest block's mean share of
+    ``capacity`` plus :data:`SLOT_SIGMAS` standard deviations and :data:`SLOT_MARGIN`, at most
+    ``capacity``. One rank: ``capacity``.
+    """
+    if spread not in SPREADS:
+        raise ValueError(f"row exchange spread={spread!r}: choose one of {SPREADS}")
+    world = len(boundaries) - 1
+    if spread == "any" or world == 1 or capacity == 0:
+        return capacity
+    share = max(b - a for a, b in zip(boundaries, boundaries[1:])) / (boundaries[-1] - boundaries[0])
+    sd = math.sqrt(capacity * share * (1.0 - share))
+    return min(capacity, math.ceil(capacity * share + SLOT_SIGMAS * sd) + SLOT_MARGIN)
 
 
 def dist_world_rank(process_group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
@@ -63,6 +99,8 @@ class RowExchange:
         process_group: the ranks (None = the default group).
         device: where the rows live (the owner boundaries are put there once, so no step
             copies them from the host).
+        spread: how requests fall on the owners, for the fixed exchange's slots
+            (:func:`slot_capacity`): ``"any"`` (full slots) or ``"hashed"``.
 
     Attributes:
         bytes_sent: bytes this rank sent to other ranks, by kind (for the benchmark).
@@ -70,7 +108,10 @@ class RowExchange:
     """
 
     def __init__(self, boundaries: list[int], process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, spread: str = "any") -> None:
+        if spread not in SPREADS:
+            raise ValueError(f"row exchange spread={spread!r}: choose one of {SPREADS}")
+        self.spread = spread
         self.world, self.rank = dist_world_rank(process_group)
         if len(boundaries) != self.world + 1:
             raise ValueError(f"{len(boundaries)} boundaries for {self.world} ranks")
@@ -165,27 +206,36 @@ class RowExchange:
         """Local index the sentinel maps to at every owner: one spare row past this rank's block."""
         return self.stop - self.start
 
-    def _slots(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(owner, destination slot in a ``[W·C]`` send buffer, valid) of sorted sentinel-padded ``rows``.
+    def slots(self, capacity: int) -> int:
+        """Slots per destination of the fixed exchange for a request of ``capacity`` rows."""
+        return slot_capacity(capacity, self.boundaries, self.spread)
 
-        Padding gets slot ``W·C``, one past the buffer (callers allocate one spare entry).
+    def _slots(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+        """(owner, destination slot in a ``[W·S]`` send buffer, valid, S) of sorted sentinel-padded ``rows``.
+
+        Padding gets slot ``W·S``, one past the buffer (callers allocate one spare entry). A real
+        row past its owner's ``S`` slots trips a device-side assert (:data:`OVERFLOW_MESSAGE`);
+        it is sent nowhere meanwhile.
         """
         bounds = self._bounds.get(rows.device)
         if bounds is None:
             bounds = self._bounds[rows.device] = torch.tensor(self.boundaries, dtype=torch.int64, device=rows.device)
-        cap = rows.numel()
+        per = self.slots(rows.numel())
         owner = torch.searchsorted(bounds[1:], rows, right=True)  # == W for the sentinel
         valid = owner < self.world
         owner = owner.clamp(max=self.world - 1)
         cut = torch.searchsorted(rows, bounds[:-1])  # first position of each owner's rows (rows are sorted)
-        pos = torch.arange(cap, device=rows.device) - cut.index_select(0, owner)
-        slot = torch.where(valid, owner * cap + pos, torch.full_like(pos, self.world * cap))
-        return owner, slot, valid
+        pos = torch.arange(rows.numel(), device=rows.device) - cut.index_select(0, owner)
+        if per < rows.numel():
+            fits = pos < per
+            torch._assert_async(~(valid & ~fits).any(), OVERFLOW_MESSAGE)
+            valid = valid & fits
+        slot = torch.where(valid, owner * per + pos, torch.full_like(pos, self.world * per))
+        return owner, slot, valid, per
 
-    def _scatter_to_slots(self, slot: Tensor, src: Tensor, fill: float | int) -> Tensor:
-        """``[W·C, ...]`` buffer with ``src[i]`` at ``slot[i]`` and ``fill`` elsewhere (padding dropped)."""
-        cap = slot.numel()
-        buf = torch.full((self.world * cap + 1, *src.shape[1:]), fill, dtype=src.dtype, device=src.device)
+    def _scatter_to_slots(self, slot: Tensor, src: Tensor, fill: float | int, per: int) -> Tensor:
+        """``[W·S, ...]`` buffer with ``src[i]`` at ``slot[i]`` and ``fill`` elsewhere (padding dropped)."""
+        buf = torch.full((self.world * per + 1, *src.shape[1:]), fill, dtype=src.dtype, device=src.device)
         buf.index_copy_(0, slot, src)  # every padding entry lands on the spare last entry
         return buf[:-1]
 
@@ -199,15 +249,14 @@ class RowExchange:
         """Values ``[C, D]`` of sorted sentinel-padded ``rows`` ``[C]``; zeros at the padding. Collective.
 
         ``read_local(local_rows)`` returns this rank's rows ``[n, D]`` for local indices.
-        No device -> host sync: every size is ``C`` or ``W·C``.
+        No device -> host sync: every size is ``C`` or ``W·S``.
         """
         if self.world == 1:
             valid = rows < self.stop
             values = read_local(torch.where(valid, rows - self.start, torch.zeros_like(rows)))
             return torch.where(valid.unsqueeze(-1), values, torch.zeros((), dtype=values.dtype, device=values.device))
-        cap = rows.numel()
-        _, slot, valid = self._slots(rows)
-        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1)
+        _, slot, valid, per = self._slots(rows)
+        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1, per)
         wanted = torch.empty_like(send_ids)
         dist.all_to_all_single(wanted, send_ids, group=self.group)
         self._count("pull_ids", send_ids)
@@ -217,14 +266,14 @@ class RowExchange:
         got = torch.empty_like(served)
         dist.all_to_all_single(got, served, group=self.group)
         self._count("pull_values", served)
-        values = got.index_select(0, slot.clamp(max=self.world * cap - 1))
+        values = got.index_select(0, slot.clamp(max=self.world * per - 1))
         return torch.where(valid.unsqueeze(-1), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     def reduce_to_owners_fixed(self, rows: Tensor, values: Tensor,
                                wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
         """Sum every rank's ``values`` ``[C, D]`` of sorted sentinel-padded ``rows`` ``[C]`` at the owners.
 
-        Returns ``(local, sums)``, ``[(W+1)·C]`` and ``[(W+1)·C, D]`` fp32 (``[C]`` on one rank):
+        Returns ``(local, sums)``, ``[C + W·S]`` and ``[C + W·S, D]`` fp32 (``[C]`` on one rank):
         this rank's touched rows as sorted unique local indices, padded with :attr:`scratch`,
         and their sums over ranks. Collective; no device -> host sync.
         """
@@ -238,7 +287,7 @@ class RowExchange:
                              wire_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
         """The terms of :meth:`reduce_to_owners_fixed` at the owner, not yet summed. Collective.
 
-        Returns ``(local [(W+1)·C], own [C, D], received [W·C, D])``: ``local[i]`` is the local
+        Returns ``(local [C + W·S], own [C, D], received [W·S, D])``: ``local[i]`` is the local
         row (or :attr:`scratch`, a term of no row) of the ``i``-th term of ``own`` followed by
         ``received``. ``own`` is this rank's whole request at full precision (rows of other
         owners point at the scratch row); ``received`` is every rank's slot for this owner in
@@ -247,11 +296,10 @@ class RowExchange:
         peers by rank) gives :meth:`reduce_to_owners`'s sums bit for bit; a consumer that sums
         them itself (``LazyRowAdam.update_segments_``) needs no summed buffer and no copy.
         """
-        cap = rows.numel()
-        owner, slot, _ = self._slots(rows)
+        owner, slot, _, per = self._slots(rows)
         wire = wire_dtype or values.dtype
-        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1)
-        send_vals = self._scatter_to_slots(slot, values.to(wire), 0)
+        send_ids = self._scatter_to_slots(slot, rows.to(self.id_dtype), -1, per)
+        send_vals = self._scatter_to_slots(slot, values.to(wire), 0, per)
         recv_ids, recv_vals = torch.empty_like(send_ids), torch.empty_like(send_vals)
         dist.all_to_all_single(recv_ids, send_ids, group=self.group)
         dist.all_to_all_single(recv_vals, send_vals, group=self.group)
@@ -261,7 +309,7 @@ class RowExchange:
         mine = owner.eq(self.rank) & (rows < self.sentinel)
         own_local = (rows - self.start).masked_fill(~mine, self.scratch)
         peer_local = (recv_ids.long() - self.start).masked_fill(recv_ids < 0, self.scratch)
-        peer_local.view(self.world, cap)[self.rank].fill_(self.scratch)  # the own slot: already in ``own``
+        peer_local.view(self.world, per)[self.rank].fill_(self.scratch)  # the own slot: already in ``own``
         return torch.cat([own_local, peer_local]), values, recv_vals
 
     def reset_counters(self) -> None:
