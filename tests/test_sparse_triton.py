@@ -76,22 +76,21 @@ def run_events(device: str, rows: int, dim: int, table_dtype: torch.dtype, entri
         ids = [torch.randint(0, high, (per_entry,), generator=gen, device=device) for _ in range(entries)]
         queue = [torch.where(torch.rand(per_entry, generator=gen, device=device) < 0.2, rows, i) for i in ids]
         queued = torch.cat(queue)
+        extra = {}
         if two_sources and event != 1:  # the peers' rows drawn in bf16: no fp32 copy of them
-            own = torch.randn(per_entry, dim, generator=gen, device=device)
-            peers = torch.randn(queued.numel() - per_entry, dim, generator=gen, device=device, dtype=torch.bfloat16)
-            seg = segments_fixed(queued, queued.numel(), rows)
-            adam.update_segments_(table, seg.unique, own, seg.order, seg.offsets, seg.slot, lr, beta2, 1e-10, wd,
-                                  src2=peers, grad_divisor=DIVISORS[event])
-            continue
-        src = torch.randn(queued.numel(), dim, generator=gen, device=device)
+            src = torch.randn(per_entry, dim, generator=gen, device=device)
+            extra = dict(src2=torch.randn(queued.numel() - per_entry, dim, generator=gen, device=device,
+                                          dtype=torch.bfloat16), grad_divisor=DIVISORS[event])
+        else:
+            src = torch.randn(queued.numel(), dim, generator=gen, device=device)
         if event == 1:  # a merged row list (one term per row) through update_
             merged_rows, inverse = torch.unique(queued, return_inverse=True)
             merged = torch.zeros(merged_rows.numel(), dim, device=device).index_add_(0, inverse, src)
             adam.update_(table, merged_rows, merged, lr, beta2, 1e-10, wd)
             continue
         seg = segments_fixed(queued, queued.numel(), rows)
-        adam.update_segments_(table, seg.unique, src, seg.order, seg.offsets, seg.slot, lr, beta2,
-                              1e-10, wd)
+        adam.update_segments_(table, seg.unique, src, seg.order, seg.offsets, seg.slot, lr, beta2, 1e-10, wd,
+                              **extra)
     return table[:rows], None if start is None else start[:rows], adam.v, adam.last_event
 
 

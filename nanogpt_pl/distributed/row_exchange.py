@@ -65,6 +65,11 @@ OVERFLOW_MESSAGE = ("fixed row exchange: one rank's request overflowed its slot 
                     "not spread as hashes); set model.optim.sparse_exchange: reference (exact sizes)")
 
 
+def check_spread(spread: str) -> None:
+    if spread not in SPREADS:
+        raise ValueError(f"row exchange spread={spread!r}: choose one of {SPREADS}")
+
+
 def slot_capacity(capacity: int, boundaries: list[int], spread: str = "hashed") -> int:
     """Slots per destination for a request of at most ``capacity`` distinct rows.
 
@@ -74,8 +79,7 @@ def slot_capacity(capacity: int, boundaries: list[int], spread: str = "hashed") 
     ``capacity`` plus :data:`SLOT_SIGMAS` standard deviations and :data:`SLOT_MARGIN`, at most
     ``capacity``. One rank: ``capacity``.
     """
-    if spread not in SPREADS:
-        raise ValueError(f"row exchange spread={spread!r}: choose one of {SPREADS}")
+    check_spread(spread)
     world = len(boundaries) - 1
     if spread == "any" or world == 1 or capacity == 0:
         return capacity
@@ -109,8 +113,7 @@ class RowExchange:
 
     def __init__(self, boundaries: list[int], process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, spread: str = "any") -> None:
-        if spread not in SPREADS:
-            raise ValueError(f"row exchange spread={spread!r}: choose one of {SPREADS}")
+        check_spread(spread)
         self.spread = spread
         self.world, self.rank = dist_world_rank(process_group)
         if len(boundaries) != self.world + 1:
