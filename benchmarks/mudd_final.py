@@ -3,29 +3,30 @@
 ``Mudd.final`` mixes ten cached streams into the output, per channel group, with coefficients
 from a 64-wide hidden of the stream: ``x + Σ_k (μ_k + δ_{k,g})·src_k``. It reads ten
 ``[N, 768]`` bf16 streams and writes one forward, and in the backward writes ten gradients and
-reads the streams again (the gradient of each coefficient is a per-group dot product). That is
-about 1.7 GB a stage-2 micro-batch, half a millisecond at an H100's bandwidth. The stage-2
-profile (BENCHMARKS.md, 2026-12-05) shows inductor kernels of 0.7-1.0 ms once a micro-batch
-whose names match this mix; this script times the mix alone to say how far it is from its floor.
+reads the streams again (the gradient of each coefficient is a per-group dot product): about
+2.6 GB a stage-2 micro-batch, a millisecond at an H100's copy bandwidth. In the stage-2 profile
+(BENCHMARKS.md, 2026-12-05) its compiled kernels (``..._bmm_mul_permute_stack_sum`` forward,
+``..._bmm_expand_mul_permute_squeeze_stack_sum`` backward, named by ``TORCH_COMPILE_DEBUG=1``'s
+output code) took 0.8-1.0 ms each, once a micro-batch.
 
 Rows (each compiled with ``torch.compile``, one forward + backward to x, the ten sources and the
 mix's weights, the same random inputs):
 
-- ``model``: ``nanogpt_pl.model.mudd.Mudd.final`` as the model runs it (stack, then a sum over
-  the sources; the per-group deltas as an einsum);
-- ``candidate``: the same function written for fusion: the deltas as one plain matmul of the
-  hidden (``[N, 64] x [64, K·G]``) and the sources summed one by one in fp32 (no ``[N, K, D]``
-  stack). It stays here until a GPU run shows it faster; then it replaces ``Mudd.final``.
+- ``reference``: ``Mudd.final_reference``, the formula as it reads (the sources stacked into
+  ``[N, K, D]``, times the coefficients, summed over the sources; the per-group deltas as an
+  einsum);
+- ``model``: ``Mudd.final``, as the model runs it: the deltas as one plain matmul of the hidden
+  (``[N, 64] x [64, K·G]``) and the sources summed one by one in fp32, with no stack.
 
 The floor is the bytes the backward and forward must move over the copy bandwidth measured in
 the same run (a ``[N, 768]`` bf16 ``copy_``, read + write). Also printed: the largest
-difference of the candidate from the model row (output and every gradient, relative to the
+difference of the model row from the reference row (output and every gradient, relative to the
 largest value).
 
     python benchmarks/mudd_final.py                 # 49,152 tokens (stage 2), about 20 s on an H100
     python benchmarks/mudd_final.py --tokens 16384  # stage 0
 
-Without a GPU it checks the candidate against the model at a small size and times nothing.
+Without a GPU it checks the model row against the reference at a small size and times nothing.
 """
 
 from __future__ import annotations
@@ -41,23 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_timing import time_cuda  # noqa: E402
 
-from nanogpt_pl.model.mudd import FINAL_MIX_GROUPS, FINAL_MIX_SOURCES, MUDD_SCALE, Mudd  # noqa: E402
+from nanogpt_pl.model.mudd import FINAL_MIX_SOURCES, Mudd  # noqa: E402
 
 DIM, HEADS = 768, 6  # RECORD §2
-
-
-def final_candidate(mudd: Mudd, x: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
-    """``Mudd.final`` with the deltas as one matmul and the sources summed one by one (fp32)."""
-    block = mudd.final_mix
-    h = block.hidden(x)
-    k, g = len(sources), FINAL_MIX_GROUPS
-    deltas = (h @ block.w2g.type_as(h).reshape(k * g, -1).t()).view(-1, k, g) * MUDD_SCALE
-    c = (block.coefs(h, MUDD_SCALE)[:, :, None] + deltas).float()  # [N, K, G]
-    mix = None
-    for i, src in enumerate(sources):
-        term = c[:, i, :, None] * src.unflatten(-1, (g, -1)).float()
-        mix = term if mix is None else mix + term
-    return x + mix.flatten(-2).to(x.dtype)
 
 
 def make_inputs(n: int, device: torch.device, dtype: torch.dtype, seed: int):
@@ -96,17 +83,17 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         mudd, x, sources, grad = make_inputs(256, torch.device("cpu"), torch.float32, seed=0)
-        diff = largest_difference(run_once(final_candidate, mudd, x, sources, grad),
-                                  run_once(lambda m, a, s: m.final(a, s), mudd, x, sources, grad))
-        print(f"no CUDA device: candidate against the model at 256 tokens (fp32, eager): largest relative "
+        diff = largest_difference(run_once(lambda m, a, s: m.final(a, s), mudd, x, sources, grad),
+                                  run_once(lambda m, a, s: m.final_reference(a, s), mudd, x, sources, grad))
+        print(f"no CUDA device: model against reference at 256 tokens (fp32, eager): largest relative "
               f"difference {diff:.2e}; nothing timed")
         return
 
     device = torch.device("cuda")
     mudd, x, sources, grad = make_inputs(args.tokens, device, torch.bfloat16, seed=0)
     rows = {
+        "reference": torch.compile(lambda m, a, s: m.final_reference(a, s)),
         "model": torch.compile(lambda m, a, s: m.final(a, s)),
-        "candidate": torch.compile(final_candidate),
     }
     results, times = {}, {}
     params = [x, *sources, *mudd.final_mix.parameters()]
@@ -128,11 +115,11 @@ def main() -> None:
     print(f"MUDD final mix, forward + backward, compiled: {args.tokens} tokens x {DIM}, {k} sources, bf16")
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {args.iters}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.2f} GB moved = {floor_ms:.3f} ms")
-    print(f"{'row':<10} {'ms':>8} {'x floor':>8} {'vs model':>9}")
+    print(f"{'row':<10} {'ms':>8} {'x floor':>8} {'reference/row':>14}")
     for name, ms in times.items():
-        print(f"{name:<10} {ms:8.3f} {ms / floor_ms:7.2f}x {times['model'] / ms:8.2f}x")
-    diff = largest_difference(results["candidate"], results["model"])
-    print(f"candidate against model: largest relative difference {diff:.2e} (output and gradients, bf16)")
+        print(f"{name:<10} {ms:8.3f} {ms / floor_ms:7.2f}x {times['reference'] / ms:13.2f}x")
+    diff = largest_difference(results["model"], results["reference"])
+    print(f"model against reference: largest relative difference {diff:.2e} (output and gradients, bf16)")
 
 
 if __name__ == "__main__":

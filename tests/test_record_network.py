@@ -7,6 +7,7 @@ derived from the code under test.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from nanogpt_pl.model.attention import (
 )
 from nanogpt_pl.model.embeddings import NgramInput, ngram_row_ids, ngram_sign_rows
 from nanogpt_pl.model.gpt import GPT, GPTConfig, PackedContext
+from nanogpt_pl.model.mudd import FINAL_MIX_SOURCES, Mudd
 from nanogpt_pl.model.rotary import Rotary, apply_rotary
 from nanogpt_pl.module import OptimConfig, SpeedrunModule
 from nanogpt_pl.optim.groups import adam_families, adam_family, anvil_group
@@ -193,6 +195,36 @@ def test_key_offset_matches_its_formula(seed):
     for t in range(1, 9):  # RECORD §2 step 4: dims d/2.. of token t are token t-1's; token 0 keeps its own
         ref[t, :, 4:] = k[t - 1, :, 4:]
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_final_mudd_mix_matches_its_reference(dtype):
+    """``Mudd.final`` (deltas as one matmul, sources summed one by one) against ``final_reference``
+    (the formula: stacked sources times coefficients, summed), output and every gradient."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    gen = torch.Generator().manual_seed(seed)
+    mudd = Mudd(96, 2)  # 12 groups of 8 channels
+    with torch.no_grad():  # the zero-initialized W₂ and delta weights random, so every term counts
+        for p in mudd.final_mix.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    mudd = mudd.to(dtype)
+    n = 37
+    x = torch.randn(n, 96, generator=gen).to(dtype).requires_grad_()
+    sources = [torch.randn(n, 96, generator=gen).to(dtype).requires_grad_() for _ in FINAL_MIX_SOURCES]
+    grad = torch.randn(n, 96, generator=gen).to(dtype)
+    leaves = [x, *sources, *mudd.final_mix.parameters()]
+    results = []
+    for fn in (mudd.final, mudd.final_reference):
+        for t in leaves:
+            t.grad = None
+        out = fn(x, sources)
+        out.backward(grad)
+        results.append([out.detach().float()] + [t.grad.float() for t in leaves])
+    # bf16: the reference rounds its products to bf16, the fast path sums them in fp32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= tol * b.abs().max(), (seed, (a - b).abs().max())
+    assert all(r.abs().sum() > 0 for r in results[1])
 
 
 @pytest.mark.parametrize("seed", [5, 31])
