@@ -9,8 +9,9 @@ Here one graph holds forward + loss + backward of one micro-batch:
 - **Static inputs.** The micro-batch's tensors (token ids, targets, ``cu_seqlens``,
   candidates, prefix targets, the MTP weights as a device tensor) and the sparse leaves the
   n-gram / value-embedding exchange pulled are copied into the graph's own buffers before
-  each replay. The exchange itself stays eager, between the graphs (pull before, gradient
-  hand-back after).
+  each replay. The exchange itself stays between the graphs (pull before, gradient
+  hand-back after): eager where it has a collective in it, and where it has none (the fixed
+  exchange at one rank) a graph of its own per token-id layout, :class:`PullGraphs`.
 - **Persistent gradients.** The backward accumulates in place into ``.grad`` buffers this
   module owns (allocated once, zeroed when a step first uses them), so the optimizers'
   ``zero_grad(set_to_none=True)`` never frees what a graph writes to. A parameter gets a
@@ -473,6 +474,117 @@ class StepGraphs:
         return SelfCheck(loss_eager=le, loss_replay=lg, loss_rel=loss_rel, grad_rel=grad_rel, passed=passed)
 
 
+@dataclass
+class _PullEntry:
+    visits: int = 0
+    graph: Any = None
+    static_ids: Optional[Tensor] = None
+    outputs: Any = None
+    eager_only: bool = False
+
+
+class PullGraphs:
+    """CUDA graphs of the sparse channels' pull of a micro-batch, where it has no collective in it.
+
+    With the fixed exchange at one rank, the pull (``SparseChannels.inputs``) is device work
+    only: the n-gram hashes, a sort-based unique of fixed size and the row gathers from the
+    n-gram and value-embedding tables, about 190 operations a micro-batch, each a host launch
+    between the micro-batch graphs. Where the channels say it is capturable
+    (``SparseChannels.capturable``) it gets one graph per layout of the token ids:
+
+    - The first visit of a layout runs eagerly. The second runs eagerly on a side stream (its
+      result is the one the step uses), captures, replays and compares every output with the
+      eager run's bit for bit; a difference or an exception is one warning and eager pulls
+      for that layout from then on.
+    - Later visits copy the ids into the graph's buffer and replay. The outputs are the
+      graph's own tensors, which the next replay overwrites: ``run_step`` pushes a
+      micro-batch's gradients before it pulls the next micro-batch. The leaves come back with
+      their ``.grad`` cleared.
+    - What the graph reads besides the ids (the tables) is read at replay time. Their
+      addresses (``fingerprint``) are checked once a step; if any moved, every pull graph is
+      dropped and captured again.
+    """
+
+    def __init__(self, fingerprint: Optional[Callable[[], tuple]] = None) -> None:
+        self.fingerprint = fingerprint
+        self.entries: dict[tuple, _PullEntry] = {}
+        self._fingerprint: Optional[tuple] = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._pool = None
+        self.replays = 0
+        self.eager_runs = 0
+
+    def captured(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+    def begin_step(self) -> None:
+        """Verify the tables' addresses (once a step); if any moved, drop the graphs."""
+        if self.fingerprint is None or self._fingerprint is None or not self.captured():
+            return
+        if self.fingerprint() != self._fingerprint:
+            warnings.warn("CUDA graphs: the sparse channels' tables moved in memory; capturing the pull again")
+            self.entries.clear()
+            self._fingerprint = None
+
+    def run(self, ids: Tensor, pull: Callable[[Tensor], Any]) -> Any:
+        """``pull(ids)``, from the layout's graph once it has one."""
+        key = (tuple(ids.shape), ids.dtype, ids.device)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _PullEntry()
+        entry.visits += 1
+        if entry.eager_only or (entry.graph is None and entry.visits < 2):
+            self.eager_runs += 1
+            return pull(ids)
+        if entry.graph is None:
+            return self._capture(entry, ids, pull)
+        with record_function("graphs/pull_copy_in"):
+            entry.static_ids.copy_(ids, non_blocking=True)
+        with record_function("graphs/pull_replay"):
+            entry.graph.replay()
+        self.replays += 1
+        for _, v in _flatten(entry.outputs):
+            if isinstance(v, Tensor) and v.requires_grad:
+                v.grad = None
+        return entry.outputs
+
+    def _capture(self, entry: _PullEntry, ids: Tensor, pull: Callable[[Tensor], Any]) -> Any:
+        self.eager_runs += 1
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        side, current = self._stream, torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # also warms the kernels on the capture stream
+            eager = pull(ids)
+        current.wait_stream(side)
+        try:
+            static_ids = ids.clone()
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(current)
+            # thread_local: the data loader's prefetch thread may pin memory meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                outputs = pull(static_ids)
+            graph.replay()
+            a, b = _flatten(outputs), _flatten(eager)
+            same = input_layout(outputs) == input_layout(eager) and all(
+                torch.equal(x, y) for (_, x), (_, y) in zip(a, b) if isinstance(x, Tensor))
+        except Exception as err:  # pragma: no cover - depends on the channels and the GPU toolchain
+            warnings.warn(f"CUDA graphs: capturing the sparse pull of {tuple(ids.shape)} token ids failed "
+                          f"({type(err).__name__}: {err}); it runs eagerly")
+            entry.eager_only = True
+            return eager
+        if not same:
+            warnings.warn(f"CUDA graphs: the replayed sparse pull of {tuple(ids.shape)} token ids differs from "
+                          "the eager one; it runs eagerly")
+            entry.eager_only = True
+            return eager
+        entry.graph, entry.static_ids, entry.outputs = graph, static_ids, outputs
+        if self.fingerprint is not None:
+            self._fingerprint = self.fingerprint()
+        return eager
+
+
 def _short(key: Any) -> str:
     if isinstance(key, CaptureKey):
         return (f"(T={key.tokens}, docs={key.max_docs}, max_seqlen={key.max_seqlen}, windows={key.windows}, "
@@ -488,7 +600,9 @@ class ModuleGraphs:
     """:class:`StepGraphs` wired to a :class:`~nanogpt_pl.module.SpeedrunModule` (``model.cuda_graphs``).
 
     The module's ``run_step`` calls :meth:`micro_step` per micro-batch instead of its eager
-    forward/backward; the sparse exchange around it stays the module's.
+    forward/backward, and :meth:`pull` for the sparse channels' inputs (a :class:`PullGraphs`
+    graph where the pull has no collective; the exchange eager otherwise). The gradient
+    hand-back after the micro-batch stays the module's.
     """
 
     def __init__(self, module: Any) -> None:
@@ -500,6 +614,9 @@ class ModuleGraphs:
             st.hold_cache_addresses(True)
         self.graphs = StepGraphs(list(module.model.parameters()), before_micro_batch=self._refresh_fp8,
                                  fingerprint=self._fingerprint)
+        channels = module.sparse_channels
+        self.pulls: Optional[PullGraphs] = (
+            PullGraphs(fingerprint=channels.table_addresses) if channels is not None and channels.capturable else None)
         self._mtp: Optional[tuple[tuple, Tensor]] = None
         self._warned_bound = False
         self._docs_bound: dict[int, int] = {}  # T -> the cu_seqlens length its keys use (only grows)
@@ -527,6 +644,18 @@ class ModuleGraphs:
 
     def begin_step(self) -> None:
         self.graphs.begin_step()
+        if self.pulls is not None:
+            self.pulls.begin_step()
+
+    def pull(self, ids: Tensor) -> Optional[dict[str, Any]]:
+        """The sparse channels' inputs of a micro-batch (``SparseChannels.inputs``), from a
+        :class:`PullGraphs` graph where the pull is capturable, else eagerly."""
+        channels = self.module.sparse_channels
+        if channels is None:
+            return None
+        if self.pulls is None:
+            return channels.inputs(ids, train=True)
+        return self.pulls.run(ids, lambda t: channels.inputs(t, train=True))
 
     def micro_step(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]], micro_batches: int) -> Tensor:
         """Forward, loss and backward of one micro-batch through its key's graph; the detached loss."""

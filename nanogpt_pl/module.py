@@ -583,7 +583,10 @@ class SpeedrunModule(L.LightningModule):
         for mb in micro:
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             with record_function("step/sparse_pull"):
-                sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+                if graphs is not None:
+                    sparse = graphs.pull(mb["inputs"])
+                else:
+                    sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
             with record_function("step/micro_batch"):
                 if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
                     loss = graphs.micro_step(mb, sparse, len(micro))

@@ -22,7 +22,7 @@ from test_capture import (
     train_losses,
 )
 
-from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs
+from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs, _flatten
 
 pytestmark = [
     pytest.mark.cuda,
@@ -108,6 +108,8 @@ def test_training_with_graphs_tracks_eager_training():
     b = train_losses(off, steps, 2, SEQ, seed=7)
     graphs = on._step_graphs().graphs
     assert graphs.replays >= steps - 1 and graphs.captured_keys()
+    # the sparse pulls came from their graph from the second micro-batch on
+    assert on._step_graphs().pulls.replays == 2 * steps - 2
     for x, y in zip(a, b):
         assert _rel(x, y) <= 2e-3, (a, b)
     # whole-model: Adam's first steps move a parameter by ±lr whatever its gradient's size, so a
@@ -118,6 +120,49 @@ def test_training_with_graphs_tracks_eager_training():
     ptrs = {k: t.data_ptr() for k, t in graphs.grads.items()}
     train_losses(on, 2, 2, SEQ, seed=8)
     assert {k: t.data_ptr() for k, t in graphs.grads.items()} == ptrs
+
+
+def _tensors(out) -> list:
+    return [(name, t.detach().clone(), t.requires_grad) for name, t in _flatten(out) if isinstance(t, torch.Tensor)]
+
+
+def test_the_sparse_pull_replays_what_an_eager_pull_reads_now():
+    module = _module()
+    module.apply_schedule(0)
+    graphs, channels = module._step_graphs(), module.sparse_channels
+    assert channels.capturable and graphs.pulls is not None
+    ids = [mb["inputs"] for mb in step_batch(module, 0, seed=5, micro_batches=3, seq_len=SEQ)]
+    for _ in range(2):  # eager, then eager + capture + a bitwise self-check
+        graphs.pull(ids[0])
+    assert graphs.pulls.captured() == 1 and graphs.pulls.replays == 0
+    # the tables change between pulls (as the sparse events change them): a replay reads them as they are
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    with torch.no_grad():
+        for t in [channels.ngram.weight, *channels.value_embeds.params]:
+            t.add_(torch.randn(t.shape, device="cuda", generator=gen).to(t.dtype))
+    for x in (ids[1], ids[2], ids[0]):
+        got = graphs.pull(x)
+        assert all(v.grad is None for _, v in _flatten(got) if isinstance(v, torch.Tensor) and v.requires_grad)
+        got = _tensors(got)
+        want = _tensors(channels.inputs(x, train=True))
+        assert [(n, r) for n, _, r in got] == [(n, r) for n, _, r in want]
+        for (name, a, _), (_, b, _) in zip(got, want):
+            assert torch.equal(a, b), name
+        assert any(v.abs().sum() > 0 for n, v, _ in got if n.endswith("values"))
+    assert graphs.pulls.replays == 3
+    # a gradient left on a leaf by the last micro-batch is gone at the next pull
+    out = graphs.pull(ids[1])
+    out["ngram"].values.grad = torch.ones_like(out["ngram"].values)
+    assert graphs.pull(ids[2])["ngram"].values.grad is None
+    # a table that moves in memory drops the graph, which then captures again
+    channels.ngram.weight = channels.ngram.weight.clone()
+    with pytest.warns(UserWarning, match="tables moved"):
+        graphs.begin_step()
+    assert graphs.pulls.captured() == 0
+    for _ in range(3):
+        out = graphs.pull(ids[1])
+    assert graphs.pulls.captured() == 1
+    assert torch.equal(out["ngram"].values, channels.inputs(ids[1], train=True)["ngram"].values)
 
 
 def test_a_new_key_is_captured_and_an_old_one_replayed():

@@ -328,6 +328,7 @@ def _sync_worker(rank: int, world: int, store: str, out_dir: str, seed: int) -> 
     init_gloo(rank, world, store)
     result = {}
     try:
+        result["capturable"] = capturable_cases(seed)
         guarded_steps("fixed", None, seed)
         result["fixed"] = "ok"
         try:
@@ -351,6 +352,24 @@ def test_guard_catches_host_reads() -> None:
     assert t.sum().item() == 3  # everything restored
 
 
+def capturable_cases(seed: int) -> dict[str, bool]:
+    """``SparseChannels.capturable`` of the channel sets a run can build, on the default group."""
+    out = {name: Channels(name, None, None, seed).channels.capturable for name in ("fixed", "reference")}
+    planes = [torch.nn.Parameter(torch.randn(VOCAB, DIM)) for _ in range(PLANES)]
+    out["value_embeds_fixed"] = SparseChannels(None, ValueEmbedShard(planes, exchange="fixed"),
+                                               fixed_shapes=True).capturable
+    shard = NgramShard(ROWS, DIM, exchange="fixed")
+    out["fixed_unpadded"] = SparseChannels(shard, None, fixed_shapes=False).capturable
+    return out
+
+
+def test_one_rank_fixed_pull_is_capturable() -> None:
+    """``nanogpt_pl.capture.PullGraphs`` captures the pull only where it has no collective and fixed shapes."""
+    assert capturable_cases(fresh_seed()) == {"fixed": True, "reference": False, "value_embeds_fixed": True,
+                                              "fixed_unpadded": False}
+    assert not SparseChannels(None, None, fixed_shapes=True).capturable  # nothing to pull
+
+
 def test_fixed_exchange_makes_no_host_sync_in_one_process() -> None:
     seed = fresh_seed()
     guarded_steps("fixed", None, seed)
@@ -365,6 +384,9 @@ def test_fixed_exchange_makes_no_host_sync_at_2_ranks(tmp_path: Path) -> None:
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["fixed"] == "ok"
         assert result["reference"].startswith("caught"), result
+        # at 2 ranks the n-gram pull is an all-to-all: it stays eager; the value embeddings' is local
+        assert result["capturable"] == {"fixed": False, "reference": False, "value_embeds_fixed": True,
+                                        "fixed_unpadded": False}, result
 
 
 # -- the padding's slots -------------------------------------------------------------------

@@ -46,6 +46,27 @@ class SparseChannels:
             out["value_embeds"] = self.value_embeds
         return out
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a training pull (:meth:`inputs` with ``train=True``) is device work of fixed
+        shapes with no collective, so a CUDA graph can hold it (``nanogpt_pl.capture.PullGraphs``):
+        the fixed exchange on every channel, and the n-gram table on one rank (at several ranks
+        its pull is an all-to-all, which stays eager between the graphs)."""
+        if not self.fixed_shapes or not self.channels():
+            return False
+        if self.ngram is not None and not (self.ngram.fixed and self.ngram.world == 1):
+            return False
+        return self.value_embeds is None or self.value_embeds.fixed
+
+    def table_addresses(self) -> tuple:
+        """The addresses of the tables a pull reads (a captured pull reads them at these addresses)."""
+        out: list[int] = []
+        if self.ngram is not None:
+            out.append(self.ngram.weight.data_ptr())
+        if self.value_embeds is not None:
+            out += [t.data_ptr() for t in self.value_embeds.params]
+        return tuple(out)
+
     def inputs(self, input_ids: Tensor, train: bool) -> dict[str, Any]:
         """Keyword arguments of ``GPT.forward`` for one micro-batch (``ngram``, ``value_rows``). Collective."""
         n = input_ids.numel()
