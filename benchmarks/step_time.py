@@ -44,8 +44,10 @@ trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
 GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
 kernels, unfused ATen elementwise kernels by operation, copies), and the host's side: per phase
-of the step (``step/data``, ``step/sparse_pull``, ``step/micro_batch`` with ``graphs/copy_in`` and
-``graphs/replay``, ``step/sparse_push``, ``step/optimizer``, ``step/run_ahead_wait``) and per
+of the step (``step/data`` with ``data/next``, the wait for the loader's thread, ``data/prepare``
+and ``data/transfer``; ``step/sparse_pull`` with ``graphs/pull_replay`` where the pull is
+captured; ``step/micro_batch`` with ``graphs/copy_in`` and ``graphs/replay``; ``step/sparse_push``,
+``step/optimizer``, ``step/run_ahead_wait``), the loader thread's ``data/produce``, and per
 blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU idle time it holds.
 
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
@@ -226,8 +228,8 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
                   "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost")
 # Prefixes of the record_function ranges the training step marks (SpeedrunModule.run_step,
-# StepGraphs.run and this script's loop).
-PHASE_PREFIXES = ("step/", "graphs/")
+# StepGraphs.run, this script's loop and the loader's prefetch thread, data/produce).
+PHASE_PREFIXES = ("step/", "graphs/", "data/")
 
 
 def profile_events(prof: Any) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
@@ -398,9 +400,11 @@ def _graph_counts(module) -> dict:
     """Replays, eager micro-batches and captured keys of the module's CUDA graphs so far (zeros without)."""
     graphs = getattr(module, "_graphs", None)
     if graphs is None:
-        return {"replays": 0, "eager": 0, "keys": 0}
-    g = graphs.graphs
-    return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys())}
+        return {"replays": 0, "eager": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0}
+    g, pulls = graphs.graphs, graphs.pulls
+    return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys()),
+            "pull_replays": pulls.replays if pulls is not None else 0,
+            "pull_eager": pulls.eager_runs if pulls is not None else 0}
 
 
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
@@ -437,8 +441,12 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                 cprof = cProfile.Profile()
                 cprof.enable()
         with torch.profiler.record_function("step/data"):
-            batch = module.prepare_batch(next(it), step)
-            batch = module.transfer_batch_to_device(batch, device, 0)
+            with torch.profiler.record_function("data/next"):  # waits for the loader's prefetch thread
+                batch = next(it)
+            with torch.profiler.record_function("data/prepare"):  # candidate sets, prefix targets
+                batch = module.prepare_batch(batch, step)
+            with torch.profiler.record_function("data/transfer"):
+                batch = module.transfer_batch_to_device(batch, device, 0)
         with torch.profiler.record_function("step/schedule"):
             module.apply_schedule(step)
         module.run_step(batch)
@@ -487,9 +495,12 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         timed = {k: after[k] - before[k] for k in after}
         # a key first seen or captured inside the timed steps puts its eager runs, capture and
         # self-check (and the device synchronize a capture starts with) on the clock
+        graphs += ("; sparse pulls: " + (f"{after['pull_replays']} replayed, {after['pull_eager']} eager"
+                                         if module._graphs.pulls is not None else "eager"))
         graphs += (f"; in the timed steps: {timed['replays']} replayed, {timed['eager']} eager, "
-                   f"{timed['keys']} keys captured" + (" (captures on the clock: raise --warmup)"
-                                                       if timed["eager"] or timed["keys"] else ""))
+                   f"{timed['keys']} keys captured, {timed['pull_replays']} pulls replayed, {timed['pull_eager']} "
+                   "eager" + (" (captures on the clock: raise --warmup)" if timed["eager"] or timed["keys"]
+                              or timed["pull_eager"] else ""))
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 
