@@ -14,6 +14,8 @@ record's embedding and lm_head shape (50,304 x 768).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter
@@ -99,6 +101,20 @@ DECAYS = [(0.0, False, 1), (0.9, False, 1), (0.9, True, 1), (40.0, True, 2), (40
 def test_kernel_follows_the_reference(seed: int, dtype: torch.dtype, weight_decay: float, cautious: bool,
                                       power: int) -> None:
     compare(seed, dtype, weight_decay, cautious, power, SMALL, "cpu")
+
+
+@interp
+def test_kernel_bumps_the_version_counters_of_what_it_writes() -> None:
+    """The kernel's writes are invisible to autograd's version counters, which the FP8 weight caches
+    read to see that a weight changed; ``adam_update_`` bumps the parameter's and the moments'."""
+    from nanogpt_pl.ops.triton.adam_update import adam_update_
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    param, grad = torch.randn(37, 24, generator=gen), torch.randn(37, 24, generator=gen)
+    m, v = torch.zeros(37, 24), torch.zeros(37, 24)
+    before, start = [t._version for t in (param, m, v)], param.clone()
+    adam_update_(param, grad, m, v, 0.9, 0.95, 1, 1e-10, 1e-2, 0.0, False)
+    assert all(t._version > b for t, b in zip((param, m, v), before)) and not torch.equal(param, start)
 
 
 @interp

@@ -62,11 +62,11 @@ def every_technique_schedule(steps: int = 8, seq_len: int = 512, micro_batches: 
 
 
 def make_module(device: str, cuda_graphs: bool, schedule: Schedule, gpt: GPTConfig, seed: int = 0,
-                **module_kw) -> SpeedrunModule:
+                matrix_optimizer: str = "adamw", **module_kw) -> SpeedrunModule:
     """A SpeedrunModule driven by a plain loop (no Trainer), with a synthetic prefix table."""
     torch.manual_seed(seed)
     flat = AdamGroup(1.0, (0.9, 0.95), 0.0)
-    optim = OptimConfig(matrix_optimizer="adamw", matrix_lr=3e-3, matrix_weight_decay=0.0, adam_lr=3e-3,
+    optim = OptimConfig(matrix_optimizer=matrix_optimizer, matrix_lr=3e-3, matrix_weight_decay=0.0, adam_lr=3e-3,
                         adam_weight_decay=0.0, embed=flat, lm_head=flat, value_embeds=flat, scalars=flat,
                         ngram=AdamGroup(1.0, (0.0, 0.95), 0.0))
     module = SpeedrunModule(gpt=gpt, optim=optim, schedule=schedule, cuda_graphs=cuda_graphs, **module_kw)
@@ -529,3 +529,4 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
         plain = make_module("cpu", False, every_technique_schedule(), gpt)
         assert plain.model._compiled_call_impl is None and torch._dynamo.config.recompile_limit == 8
     assert torch._dynamo.config.recompile_limit == 8  # dynamo's default, as the other tests expect
+

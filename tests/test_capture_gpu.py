@@ -122,6 +122,30 @@ def test_training_with_graphs_tracks_eager_training():
     assert {k: t.data_ptr() for k, t in graphs.grads.items()} == ptrs
 
 
+def test_fp8_caches_follow_the_weights_anvil_graphs_write():
+    """ANVIL replays its bank updates from CUDA graphs; a replay runs no ATen op, so the optimizer bumps
+    the version counters of the matrices it wrote. Without that, the FP8 layers' caches (which see a
+    changed weight by its counter) would keep the weights of the step ANVIL captured at."""
+    steps = 5
+    module = make_module("cuda", True, every_technique_schedule(steps=steps, seq_len=SEQ, micro_batches=2),
+                         every_technique_gpt(), seed=0, matrix_optimizer="anvil")
+    graphs = module._step_graphs()
+    anvil = module._combined().parts["matrices"]
+    states = graphs.fp8_states
+    assert states
+    counts = []
+    for step in range(steps):
+        module.apply_schedule(step)
+        module.run_step(step_batch(module, step, 20, 2, SEQ))
+        graphs._refresh_fp8()  # what the next micro-batch does first
+        counts.append([st._refreshes for st in states])
+    assert anvil.cuda_graph and all(b.graph is not None for b in anvil._banks if b.owned)
+    # every step changed every matrix, so every matrix layer's cache was rebuilt after every step,
+    # including the steps ANVIL only replayed
+    for before, after in zip(counts, counts[1:]):
+        assert all(b < a for b, a in zip(before, after)), counts
+
+
 def _tensors(out) -> list:
     return [(name, t.detach().clone(), t.requires_grad) for name, t in _flatten(out) if isinstance(t, torch.Tensor)]
 

@@ -26,6 +26,7 @@ rows of 768, a 4M-row shard).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import pytest
@@ -309,6 +310,30 @@ def check_scatter_add(device: str, planes: int, rows: int, dim: int, n: int, see
     assert bool(real.any()) and bool((~real).any())
     want = buf.clone().index_add_(1, ids[real], src[:, real])
     assert torch.equal(got, want)
+
+
+@interp
+def test_kernels_bump_the_version_counters_of_what_they_write():
+    """A kernel's writes are invisible to autograd's version counters (the FP8 weight caches read
+    them to see a changed weight); each wrapper bumps the counters of the tensors it wrote."""
+    from nanogpt_pl.ops.triton.gather_rows import gather_rows_triton_, scatter_add_rows_triton_
+    from nanogpt_pl.ops.triton.row_adam import dense_adam_
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    table, ids = torch.randn(20, 8, generator=gen), torch.randint(0, 20, (6,), generator=gen)
+    out = torch.zeros(6, 8)
+    v0 = out._version
+    gather_rows_triton_(out, table, ids, 20)
+    assert out._version > v0 and torch.equal(out, table[ids])
+    buf, src = torch.zeros(1, 20, 8), torch.randn(1, 6, 8, generator=gen)
+    v0 = buf._version
+    scatter_add_rows_triton_(buf, torch.arange(6) * 3, src, 20)
+    assert buf._version > v0 and buf.abs().sum() > 0
+    param, grad = torch.randn(5, 7, generator=gen), torch.randn(5, 7, generator=gen)
+    m, v = torch.zeros(5, 7), torch.zeros(5, 7)
+    before, start = [t._version for t in (param, m, v, grad)], param.clone()
+    dense_adam_(param, m, v, grad, 0.9, 0.95, 1e-2, 1e-10, 0.0)
+    assert all(t._version > b for t, b in zip((param, m, v, grad), before)) and not torch.equal(param, start)
 
 
 @interp

@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..backends import resolve_opt_in
 from .adam import row_range
@@ -578,6 +579,7 @@ class Anvil(torch.optim.Optimizer):
                tuple(p.data_ptr() for p, _, _ in bank.pieces))
         if bank.graph is not None and bank.graph_key == key:
             bank.graph.replay()
+            self._mark_written(bank, copy_back)
             return
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(device=self.device)
@@ -605,6 +607,18 @@ class Anvil(torch.optim.Optimizer):
             return
         bank.graph, bank.graph_key = graph, key
         graph.replay()
+        self._mark_written(bank, copy_back)
+
+    @staticmethod
+    def _mark_written(bank: _Bank, copy_back: bool) -> None:
+        """Bump the version counters of the parameters a graph replay wrote (``copy_back``).
+
+        A replay runs no ATen operation, so autograd's counters would not move, and the FP8
+        weight caches (``nanogpt_pl.ops.fp8.cache``), which see a changed weight by its counter,
+        would go on quantizing the weights of the step the graph was captured at.
+        """
+        if copy_back:
+            increment_version([p for p, _, _ in bank.pieces])
 
     def _update_bank(self, bank: _Bank, grad: Tensor, params: Tensor, s: Tensor) -> None:
         if self.update_backend == "triton":

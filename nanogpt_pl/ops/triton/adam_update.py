@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from nanogpt_pl.ops.triton import interpret_mode
 from nanogpt_pl.ops.triton.fp8_quant import store_rounded
@@ -71,3 +72,6 @@ def adam_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
             param, grad, exp_avg, exp_avg_sq, n, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
             1.0 - beta2**step, eps, lr, decay, DECAY=bool(decay), CAUTIOUS=bool(cautious), BLOCK=_BLOCK, num_warps=4,
         )
+    # a kernel's writes are invisible to autograd's version counters, which the FP8 weight caches
+    # (nanogpt_pl.ops.fp8.cache) read to see that a weight changed
+    increment_version([param, exp_avg, exp_avg_sq])

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from nanogpt_pl.ops.triton import interpret_mode
 
@@ -84,6 +85,7 @@ def rails_lookahead_(g: Tensor, rails: Tensor, one_minus_fast: Tensor, one_minus
     if n:
         _rails_kernel[(triton.cdiv(n, _BLOCK),)](g, rails[0], rails[1], u, one_minus_fast, one_minus_slow, blend, mu,
                                                  n, BLOCK=_BLOCK, num_warps=4)
+    increment_version(rails)  # the kernel's writes, visible to autograd's version counters
     return u
 
 
@@ -192,3 +194,5 @@ def finish_update_(x: Tensor, lane_energy: Tensor, slow: Tensor, params: Tensor,
     _step_kernel[(triton.cdiv(total, _BLOCK),)](x, scale, slow, bits, sidecar if sidecar is not None else bits,
                                                 lr_mul, lr, wd_lr, total, rows, cols, ROW_LANES=row_lanes,
                                                 SIDECAR=sidecar is not None, BLOCK=_BLOCK, num_warps=4)
+    # the kernels' writes, made visible to autograd's version counters (what the FP8 caches read)
+    increment_version([params, lane_energy] + ([sidecar] if sidecar is not None else []))

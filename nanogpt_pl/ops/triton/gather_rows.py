@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 _BLOCK_ROWS = 16
 
@@ -48,6 +49,7 @@ def gather_rows_triton_(out: Tensor, table: Tensor, ids: Tensor, limit: int) -> 
         grid = (triton.cdiv(n, _BLOCK_ROWS), triton.cdiv(d, block_d))
         _gather_rows_kernel[grid](table, ids, out, n, d, limit, table.stride(0), out.stride(0),
                                   BLOCK_R=_BLOCK_ROWS, BLOCK_D=block_d, num_warps=4)
+    increment_version(out)  # the kernel's writes, visible to autograd's version counters
     return out
 
 
@@ -79,4 +81,5 @@ def scatter_add_rows_triton_(buf: Tensor, ids: Tensor, src: Tensor, limit: int) 
         grid = (triton.cdiv(n, _BLOCK_ROWS), triton.cdiv(d, block_d), planes)
         _scatter_add_rows_kernel[grid](buf, src, ids, n, d, limit, buf.stride(0), buf.stride(1), src.stride(0),
                                        src.stride(1), BLOCK_R=_BLOCK_ROWS, BLOCK_D=block_d, num_warps=4)
+    increment_version(buf)
     return buf

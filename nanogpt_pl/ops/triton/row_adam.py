@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from nanogpt_pl.ops.triton.fp8_quant import store_rounded
 
@@ -104,6 +105,7 @@ def lazy_row_adam_(table: Tensor, v: Tensor, last_event: Tensor, rows: Tensor, s
         second.stride(0), src.shape[0], scratch, event, beta2, 1.0 - beta2, step_size, eps, decay_wd, grad_scale,
         HAS_SRC2=src2 is not None, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
     )
+    increment_version([table, v, last_event])  # the kernel's writes, visible to autograd's version counters
 
 
 @triton.jit
@@ -142,3 +144,4 @@ def dense_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor
         _dense_adam_kernel[(triton.cdiv(n, block),)](param, exp_avg, exp_avg_sq, grad, n, beta1, 1.0 - beta1, beta2,
                                                       1.0 - beta2, step_size, eps, decay_wd, BLOCK=block,
                                                       num_warps=4)
+    increment_version([param, exp_avg, exp_avg_sq, grad])  # the kernel's writes, visible to version counters
