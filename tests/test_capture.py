@@ -20,6 +20,7 @@ from nanogpt_pl.backends import Backends
 from nanogpt_pl.capture import (
     CaptureKey,
     FrozenGC,
+    ModuleGraphs,
     RunAhead,
     StepGraphs,
     _flatten,
@@ -530,3 +531,41 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
         assert plain.model._compiled_call_impl is None and torch._dynamo.config.recompile_limit == 8
     assert torch._dynamo.config.recompile_limit == 8  # dynamo's default, as the other tests expect
 
+
+def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(one_thread):
+    """``ModuleGraphs`` runs the FP8 layers' staleness checks before a micro-batch only when a weight
+    they read (its address or version), a last call or a cache key changed since the last check;
+    after every call, no layer's cache is stale."""
+    module = make_module("cpu", False, every_technique_schedule(steps=3, seq_len=256, micro_batches=2),
+                         every_technique_gpt())
+    module.apply_schedule(0)
+    module.run_step(step_batch(module, 0, 1, 2, 256))  # every FP8 layer has run once (its last call)
+    graphs = ModuleGraphs(module)
+    # the matrix layers' states (the head's is used by the GPU loss kernels only)
+    states = [st for st in graphs.fp8_states if st._last_call is not None]
+    assert len(states) == 8
+
+    def check(skipped: bool) -> list[int]:
+        before = graphs.fp8_checks_skipped
+        graphs._refresh_fp8()
+        assert graphs.fp8_checks_skipped == before + int(skipped)
+        counts = [st._refreshes for st in states]
+        assert not any(st.refresh_cache() for st in states)  # nothing left stale
+        return counts
+
+    base = check(skipped=False)  # the first call checks every layer
+    assert check(skipped=True) == base
+    weight = states[0]._last_call[0][0].tensor
+    with torch.no_grad():
+        weight.add_(0.01)  # an optimizer's in-place update: the version moves
+    after = check(skipped=False)
+    assert after[0] == base[0] + 1 and after[1:] == base[1:]
+    assert check(skipped=True) == after
+    states[1].invalidate()
+    again = check(skipped=False)
+    assert again[1] == after[1] + 1
+    weight.data = weight.data.clone()  # same values and version, another address
+    check(skipped=False)
+    module.run_step(step_batch(module, 1, 1, 2, 256))  # a whole step, optimizer included
+    check(skipped=False)
+    check(skipped=True)

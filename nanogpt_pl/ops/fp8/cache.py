@@ -158,6 +158,14 @@ class Fp8State(nn.Module):
         self._refresh_with(tuple(r.build() for r in recipes), kern)
         return self._refreshes != before
 
+    def refresh_watch(self) -> tuple:
+        """What :meth:`refresh_cache` reads, cheaply: the last call and cache key (compare them
+        with ``is``) and each weight root's address and ``_version``. While all of it is unchanged,
+        ``refresh_cache`` would find nothing stale (``nanogpt_pl.capture.ModuleGraphs`` skips it)."""
+        call = self._last_call
+        versions = () if call is None else tuple((r.tensor.data_ptr(), r.tensor._version) for r in call[0])
+        return call, self._cache_key, versions
+
     def cache_tensors(self) -> list[Tensor]:
         """The FP8 weight copies a forward reads (their addresses are what a graph bakes in)."""
         return []
