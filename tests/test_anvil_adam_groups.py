@@ -10,6 +10,7 @@ bf16 parameters. The multi-rank (sharded lm_head/embed) behaviour is tested in
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -129,3 +130,51 @@ def test_rejects_bad_power_and_foreign_shard() -> None:
                                              "exp_avg": torch.zeros(6, 6), "exp_avg_sq": torch.zeros(6, 6)}
     with pytest.raises(ValueError, match="one rank's shard"):
         DistAdam(make(0), sharded=True).load_state_dict(sd)
+
+
+def check_grouped(device: str, cautious: bool, power: int) -> None:
+    """``_update_many`` (a group's parameters as ``torch._foreach_*`` calls) against ``_update``
+    on each parameter in turn: bit for bit, over bf16 and fp32 parameters, a group without decay,
+    and a parameter that skips a step (its own step count, so its own bucket)."""
+    seed = int.from_bytes(os.urandom(3), "little")
+
+    def on(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(q.detach().to(device)) for q in params]
+
+    def build() -> tuple[DistAdam, list[torch.nn.Parameter]]:
+        a, b, c = on(make(seed)), on(make(seed + 1, torch.bfloat16)), on(make(seed + 2))
+        groups = [dict(params=a, lr_mul=5.0, wd_mul=150.0), dict(params=b, lr_mul=1.0, wd_mul=1.0),
+                  dict(params=c, weight_decay=0.0, betas=(0.8, 0.99))]
+        return DistAdam(groups, lr=0.008, betas=(0.5, 0.95), eps=1e-10, weight_decay=0.005,
+                        cautious_wd=cautious, decay_lr_power=power), a + b + c
+
+    grouped, ps = build()
+    single, qs = build()
+    single._update_many = lambda group, params: [single._update(p, p.grad, group) for p in params]
+    for step in range(4):
+        for params in (ps, qs):
+            g = torch.Generator().manual_seed(10_000 + 97 * seed + step)
+            for q in params:
+                q.grad = torch.randn(q.shape, generator=g).to(device=device, dtype=q.dtype)
+            if step == 1:
+                params[1].grad = None  # skips this step: one step behind the others from here
+        grouped.step()
+        single.step()
+    assert grouped.state[ps[1]]["step"] == 3 and grouped.state[ps[0]]["step"] == 4
+    for p, q in zip(ps, qs):
+        assert p.dtype == q.dtype and torch.equal(p, q), (seed, (p.float() - q.float()).abs().max())
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(grouped.state[p][name], single.state[q][name]), (seed, name)
+    assert not torch.equal(ps[0].cpu(), make(seed)[0])
+
+
+@pytest.mark.parametrize("cautious,power", [(False, 1), (True, 2)])
+def test_grouped_update_equals_the_per_parameter_formula(cautious: bool, power: int) -> None:
+    check_grouped("cpu", cautious, power)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cautious,power", [(False, 1), (True, 2)])
+def test_grouped_update_equals_the_per_parameter_formula_on_the_gpu(cautious: bool, power: int) -> None:
+    check_grouped("cuda", cautious, power)  # torch's multi-tensor kernels against its single-tensor ones

@@ -22,7 +22,8 @@ per step: power 1 is ordinary decoupled decay (AdamW), power 2 is the record's
 shrinks coordinates whose update points the same way as the weight (sign-aligned decay).
 
 The update itself is either the PyTorch reference (:meth:`DistAdam._update`, about a dozen
-passes a parameter) or one Triton pass a parameter (``update_backend="triton"``,
+passes a parameter; a group's replicated parameters take them together as ``torch._foreach_*``
+calls, :meth:`DistAdam._update_many`) or one Triton pass a parameter (``update_backend="triton"``,
 ``nanogpt_pl.ops.triton.adam_update``) with the same arithmetic.
 
 Moments are fp32 whatever the parameter dtype. Checkpoints: replicated state is the same
@@ -180,8 +181,11 @@ class DistAdam(torch.optim.Optimizer):
         replicated = [(g, p) for g in self.param_groups if not self._is_sharded(g, world)
                       for p in g["params"] if p.grad is not None]
         all_reduce_mean_([p.grad for _, p in replicated], pg)
+        by_group: dict[int, tuple[dict, list[Tensor]]] = {}
         for group, p in replicated:
-            self._update(p, p.grad, group)
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        for group, params in by_group.values():
+            self._update_many(group, params)
 
         # 3. sharded parameters: own rows, then all-gather
         gathers = []
@@ -201,13 +205,13 @@ class DistAdam(torch.optim.Optimizer):
             p.view(p.shape[0], -1).copy_(full[: p.shape[0]])
         return loss
 
-    def _update(self, target: Tensor, grad: Tensor, group: dict, param: Optional[Tensor] = None,
-                rows: Optional[tuple[int, int]] = None) -> None:
-        """One Adam step of ``target`` (the parameter, or its own rows) with ``grad``."""
-        p = target if param is None else param
-        beta1, beta2 = group["betas"]
+    def _rates(self, group: dict) -> tuple[float, float]:
+        """The group's step size and decay factor this step."""
         lr = group["lr"] * group["lr_mul"]
-        decay = lr**self.decay_lr_power * group["weight_decay"] * group["wd_mul"]
+        return lr, lr**self.decay_lr_power * group["weight_decay"] * group["wd_mul"]
+
+    def _state(self, p: Tensor, target: Tensor, rows: Optional[tuple[int, int]] = None) -> dict:
+        """``p``'s state, made at its first step (fp32 moments of ``target``'s shape), its step counted."""
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -216,6 +220,51 @@ class DistAdam(torch.optim.Optimizer):
             if rows is not None:
                 state["rows"] = (rows[0], rows[1], p.shape[0])
         state["step"] += 1
+        return state
+
+    def _update_many(self, group: dict, params: list[Tensor]) -> None:
+        """:meth:`_update` of a group's replicated parameters. The reference runs the same
+        arithmetic, operation for operation, as ``torch._foreach_*`` calls over the parameters
+        that share a step count: about fifteen launches a group instead of a dozen a parameter
+        (the host issues every one of them, and a short step waits on the host)."""
+        if self.update_backend == "triton":
+            for p in params:
+                self._update(p, p.grad, group)
+            return
+        beta1, beta2 = group["betas"]
+        lr, decay = self._rates(group)
+        buckets: dict[int, list[Tensor]] = {}
+        for p in params:
+            buckets.setdefault(self._state(p, p)["step"], []).append(p)
+        for t, ps in buckets.items():
+            ms = [self.state[p]["exp_avg"] for p in ps]
+            vs = [self.state[p]["exp_avg_sq"] for p in ps]
+            gs = [p.grad.float() for p in ps]
+            torch._foreach_lerp_(ms, gs, 1 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+            denom = torch._foreach_div(vs, 1 - beta2**t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            update = torch._foreach_div(ms, 1 - beta1**t)
+            torch._foreach_div_(update, denom)
+            torch._foreach_mul_(update, lr)
+            p32 = [p.float() for p in ps]
+            if decay:
+                if group["cautious_wd"]:
+                    signs = [(u * w > 0).to(u.dtype) for u, w in zip(update, p32)]
+                    torch._foreach_addcmul_(update, p32, signs, value=decay)
+                else:
+                    torch._foreach_add_(update, p32, alpha=decay)
+            torch._foreach_copy_(ps, torch._foreach_sub(p32, update))
+
+    def _update(self, target: Tensor, grad: Tensor, group: dict, param: Optional[Tensor] = None,
+                rows: Optional[tuple[int, int]] = None) -> None:
+        """One Adam step of ``target`` (the parameter, or its own rows) with ``grad``."""
+        p = target if param is None else param
+        beta1, beta2 = group["betas"]
+        lr, decay = self._rates(group)
+        state = self._state(p, target, rows)
         t = state["step"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         if self.update_backend == "triton" and target.is_contiguous() and m.is_contiguous() and v.is_contiguous():
