@@ -524,11 +524,15 @@ class Anvil(torch.optim.Optimizer):
             if all(p.grad is None for p, _, _ in bank.pieces):
                 continue
             stacked = bank.buffer("grad", bank.per_rank * world, bank.dtype, dev)
+            dst, src = [], []  # the bank's gradients staged with one multi-tensor copy, not one a piece
             for p, start, n in bank.pieces:
                 if p.grad is None:
                     stacked[start:start + n].zero_()
                 else:
-                    stacked[start:start + n].copy_(p.grad.reshape(n, bank.rows, bank.cols))
+                    dst.append(stacked[start:start + n])
+                    src.append(p.grad.reshape(n, bank.rows, bank.cols))
+            if dst:
+                torch._foreach_copy_(dst, src)
             if world == 1:
                 pending.append((bank, stacked, None))
                 continue
