@@ -11,7 +11,8 @@ Here one graph holds forward + loss + backward of one micro-batch:
   n-gram / value-embedding exchange pulled are copied into the graph's own buffers before
   each replay. The exchange itself stays between the graphs (pull before, gradient
   hand-back after): eager where it has a collective in it, and where it has none (the fixed
-  exchange at one rank) a graph of its own per token-id layout, :class:`PullGraphs`.
+  exchange at one rank) a graph of its own per token-id layout, :class:`PullGraphs`, whose
+  outputs the micro-batch graphs read in place (no copy).
 - **Persistent gradients.** The backward accumulates in place into ``.grad`` buffers this
   module owns (allocated once, zeroed when a step first uses them), so the optimizers'
   ``zero_grad(set_to_none=True)`` never frees what a graph writes to. A parameter gets a
@@ -179,19 +180,22 @@ def pad_cu_seqlens(cu_seqlens: Tensor, at_least: int = 0) -> Tensor:
 
 
 # -- the graphs ----------------------------------------------------------------------------------
-def _static_copy(value: Any) -> Any:
-    """A same-layout copy of a nest of tensors; a leaf that requires grad stays one."""
+def _static_copy(value: Any, keep: Optional[Callable[[Tensor], bool]] = None) -> Any:
+    """A same-layout copy of a nest of tensors; a leaf that requires grad stays one. A tensor
+    ``keep`` accepts (a buffer that is already fixed) is kept itself, not copied."""
     if isinstance(value, Tensor):
+        if keep is not None and keep(value):
+            return value
         t = value.detach().clone()
         return t.requires_grad_(True) if value.requires_grad else t
     if isinstance(value, dict):
-        return {k: _static_copy(v) for k, v in value.items()}
+        return {k: _static_copy(v, keep) for k, v in value.items()}
     if isinstance(value, list):
-        return [_static_copy(v) for v in value]
+        return [_static_copy(v, keep) for v in value]
     if isinstance(value, tuple):
-        return tuple(_static_copy(v) for v in value)
+        return tuple(_static_copy(v, keep) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _static_copy(getattr(value, f.name))
+        return dataclasses.replace(value, **{f.name: _static_copy(getattr(value, f.name), keep)
                                              for f in dataclasses.fields(value) if f.init})
     return value
 
@@ -241,13 +245,18 @@ class StepGraphs:
             FP8 weight caches, which a replay cannot check).
         fingerprint: returns the addresses the graphs bake in beyond their own buffers
             (parameters, buffers, FP8 caches); checked once per step, a change drops every graph.
+        keep_input: true for an input tensor that is already a fixed buffer (the captured sparse
+            pull's outputs, :meth:`PullGraphs.owns`): a graph captured with it reads it in place,
+            and a replay copies nothing into it.
         self_check_rtol / grad_check_rtol: the self-check's tolerances.
     """
 
     def __init__(self, params: Sequence[Tensor], before_micro_batch: Optional[Callable[[], None]] = None,
                  fingerprint: Optional[Callable[[], tuple]] = None, self_check_rtol: float = SELF_CHECK_RTOL,
-                 grad_check_rtol: float = GRAD_CHECK_RTOL) -> None:
+                 grad_check_rtol: float = GRAD_CHECK_RTOL,
+                 keep_input: Optional[Callable[[Tensor], bool]] = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.keep_input = keep_input
         self.before_micro_batch = before_micro_batch
         self.fingerprint = fingerprint
         self.self_check_rtol = self_check_rtol
@@ -353,7 +362,8 @@ class StepGraphs:
             pairs = _tensor_pairs(entry.static_inputs, inputs)
             with torch.no_grad():
                 for s, v in pairs:
-                    s.copy_(v, non_blocking=True)
+                    if s is not v:  # an input the graph reads in place needs no copy
+                        s.copy_(v, non_blocking=True)
         with record_function("graphs/replay"):
             entry.graph.replay()
         self.replays += 1
@@ -437,11 +447,12 @@ class StepGraphs:
         layout = input_layout(inputs)
         static_inputs = self._statics.get(layout)
         if static_inputs is None:
-            static_inputs = self._statics[layout] = _static_copy(inputs)
+            static_inputs = self._statics[layout] = _static_copy(inputs, self.keep_input)
         else:
             with torch.no_grad():
                 for s, v in _tensor_pairs(static_inputs, inputs):
-                    s.copy_(v)
+                    if s is not v:
+                        s.copy_(v)
         static_leaves = [v for _, v in _flatten(static_inputs) if isinstance(v, Tensor) and v.requires_grad]
         for v in static_leaves:
             v.grad = None  # this graph's backward writes a gradient of its own (another key's stays its)
@@ -492,10 +503,12 @@ class PullGraphs:
     between the micro-batch graphs. Where the channels say it is capturable
     (``SparseChannels.capturable``) it gets one graph per layout of the token ids:
 
-    - The first visit of a layout runs eagerly. The second runs eagerly on a side stream (its
-      result is the one the step uses), captures, replays and compares every output with the
-      eager run's bit for bit; a difference or an exception is one warning and eager pulls
-      for that layout from then on.
+    - The first visit of a layout runs eagerly. The second runs eagerly on a side stream,
+      captures, replays and compares every output with the eager run's bit for bit; a
+      difference or an exception is one warning and eager pulls for that layout from then on
+      (the eager result is the step's), else the step takes the graph's outputs.
+    - The outputs are fixed buffers (:meth:`owns`): the micro-batch graphs captured with them
+      read them in place instead of copying them into buffers of their own.
     - Later visits copy the ids into the graph's buffer and replay. The outputs are the
       graph's own tensors, which the next replay overwrites: ``run_step`` pushes a
       micro-batch's gradients before it pulls the next micro-batch. The leaves come back with
@@ -513,6 +526,11 @@ class PullGraphs:
         self._pool = None
         self.replays = 0
         self.eager_runs = 0
+        self._owned: set[int] = set()  # ids of the captured graphs' output tensors (held by the entries)
+
+    def owns(self, t: Tensor) -> bool:
+        """Whether ``t`` is an output of one of these graphs (a buffer each replay rewrites in place)."""
+        return id(t) in self._owned
 
     def captured(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
@@ -524,6 +542,7 @@ class PullGraphs:
         if self.fingerprint() != self._fingerprint:
             warnings.warn("CUDA graphs: the sparse channels' tables moved in memory; capturing the pull again")
             self.entries.clear()
+            self._owned.clear()
             self._fingerprint = None
 
     def run(self, ids: Tensor, pull: Callable[[Tensor], Any]) -> Any:
@@ -580,9 +599,10 @@ class PullGraphs:
             entry.eager_only = True
             return eager
         entry.graph, entry.static_ids, entry.outputs = graph, static_ids, outputs
+        self._owned.update(id(v) for _, v in _flatten(outputs) if isinstance(v, Tensor))
         if self.fingerprint is not None:
             self._fingerprint = self.fingerprint()
-        return eager
+        return outputs
 
 
 def _short(key: Any) -> str:
@@ -612,11 +632,12 @@ class ModuleGraphs:
         self.fp8_states = [m for m in module.model.modules() if isinstance(m, Fp8State)]
         for st in self.fp8_states:
             st.hold_cache_addresses(True)
-        self.graphs = StepGraphs(list(module.model.parameters()), before_micro_batch=self._refresh_fp8,
-                                 fingerprint=self._fingerprint)
         channels = module.sparse_channels
         self.pulls: Optional[PullGraphs] = (
             PullGraphs(fingerprint=channels.table_addresses) if channels is not None and channels.capturable else None)
+        self.graphs = StepGraphs(list(module.model.parameters()), before_micro_batch=self._refresh_fp8,
+                                 fingerprint=self._fingerprint,
+                                 keep_input=self.pulls.owns if self.pulls is not None else None)
         self._fp8_seen: Optional[list[tuple]] = None  # refresh_watch() of each state after the last check
         self.fp8_checks_skipped = 0
         self._mtp: Optional[tuple[tuple, Tensor]] = None

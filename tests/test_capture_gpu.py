@@ -108,8 +108,12 @@ def test_training_with_graphs_tracks_eager_training():
     b = train_losses(off, steps, 2, SEQ, seed=7)
     graphs = on._step_graphs().graphs
     assert graphs.replays >= steps - 1 and graphs.captured_keys()
-    # the sparse pulls came from their graph from the second micro-batch on
-    assert on._step_graphs().pulls.replays == 2 * steps - 2
+    # the sparse pulls came from their graph from the second micro-batch on, and the micro-batch
+    # graphs read the pull graph's outputs in place
+    pulls = on._step_graphs().pulls
+    assert pulls.replays == 2 * steps - 2
+    kept = [t for st in graphs._statics.values() for _, t in _flatten(st) if isinstance(t, torch.Tensor)]
+    assert sum(pulls.owns(t) for t in kept) >= 4  # the n-gram and value-embedding leaves and indices
     for x, y in zip(a, b):
         assert _rel(x, y) <= 2e-3, (a, b)
     # whole-model: Adam's first steps move a parameter by ±lr whatever its gradient's size, so a
@@ -278,6 +282,30 @@ def test_a_correct_forward_is_captured_and_replays_exactly():
         assert loss == pytest.approx(want_loss, rel=1e-6)
         assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
     assert graphs.captured_keys() == ["k"] and graphs.replays == 2 and graphs.checks["k"].passed
+
+
+def test_a_kept_input_is_read_in_place():
+    """``keep_input``: a graph captured with a fixed buffer reads it where it is (no copy of its own);
+    other inputs are still copied in before each replay."""
+    lin, x = _linear_case()
+    fixed = torch.randn(8, 16, device="cuda")
+    graphs = StepGraphs(list(lin.parameters()), keep_input=lambda t: t is fixed)
+
+    def forward(inp):
+        loss = (lin(inp["x"]) * inp["w"]).square().mean()
+        return loss, loss
+
+    for visit in range(4):
+        with torch.no_grad():
+            fixed.copy_(torch.randn(8, 16, device="cuda"))  # new contents in the same buffer
+        xv = x + visit  # a new tensor each visit: copied in
+        lin.zero_grad(set_to_none=True)
+        loss = float(graphs.run("k", {"x": xv, "w": fixed}, forward, lambda t: t.backward()))
+        lin.zero_grad(set_to_none=True)
+        want = (lin(xv) * fixed).square().mean()
+        assert loss == pytest.approx(float(want), rel=1e-5), visit
+    static = graphs.entries["k"].static_inputs
+    assert static["w"] is fixed and static["x"] is not x and graphs.replays == 2
 
 
 def test_a_failing_capture_warns_and_stays_eager():
