@@ -638,25 +638,13 @@ class ModuleGraphs:
         self.graphs = StepGraphs(list(module.model.parameters()), before_micro_batch=self._refresh_fp8,
                                  fingerprint=self._fingerprint,
                                  keep_input=self.pulls.owns if self.pulls is not None else None)
-        self._fp8_seen: Optional[list[tuple]] = None  # refresh_watch() of each state after the last check
-        self.fp8_checks_skipped = 0
         self._mtp: Optional[tuple[tuple, Tensor]] = None
         self._warned_bound = False
         self._docs_bound: dict[int, int] = {}  # T -> the cu_seqlens length its keys use (only grows)
 
     def _refresh_fp8(self) -> None:
-        """Bring the FP8 weight caches up to date before a micro-batch. The per-layer staleness
-        checks (about half a millisecond of host time a micro-batch for the record network) are
-        skipped while nothing they read changed since the last check (``Fp8State.refresh_watch``):
-        between two optimizer steps, every micro-batch but the first."""
-        watch = [st.refresh_watch() for st in self.fp8_states]
-        seen = self._fp8_seen
-        if seen is not None and all(a[0] is b[0] and a[1] is b[1] and a[2] == b[2] for a, b in zip(watch, seen)):
-            self.fp8_checks_skipped += 1
-            return
         for st in self.fp8_states:
             st.refresh_cache()
-        self._fp8_seen = [st.refresh_watch() for st in self.fp8_states]
 
     def _fingerprint(self) -> tuple:
         model = self.module.model

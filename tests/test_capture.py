@@ -38,6 +38,7 @@ from nanogpt_pl.model.gpt import GPTConfig
 from nanogpt_pl.module import AdamGroup, OptimConfig, SpeedrunModule
 from nanogpt_pl.ops.cross_entropy import lm_head_loss
 from nanogpt_pl.ops.fp8 import Fp8LinearState, Fp8MLPState, fp8_linear, fp8_mlp
+from nanogpt_pl.ops.fp8.cache import keys_match, weight_key
 from nanogpt_pl.schedule import Schedule, Stage
 
 BOS = 50256
@@ -533,9 +534,9 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
 
 
 def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(one_thread):
-    """``ModuleGraphs`` runs the FP8 layers' staleness checks before a micro-batch only when a weight
-    they read (its address or version), a last call or a cache key changed since the last check;
-    after every call, no layer's cache is stale."""
+    """Before a micro-batch, ``ModuleGraphs`` asks every FP8 layer to check its cache; a layer runs the
+    check only when a weight it reads (its address or version), its last call or its cache key
+    changed since its last check. After every call, no layer's cache is stale."""
     module = make_module("cpu", False, every_technique_schedule(steps=3, seq_len=256, micro_batches=2),
                          every_technique_gpt())
     module.apply_schedule(0)
@@ -545,27 +546,32 @@ def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(o
     states = [st for st in graphs.fp8_states if st._last_call is not None]
     assert len(states) == 8
 
-    def check(skipped: bool) -> list[int]:
-        before = graphs.fp8_checks_skipped
-        graphs._refresh_fp8()
-        assert graphs.fp8_checks_skipped == before + int(skipped)
-        counts = [st._refreshes for st in states]
-        assert not any(st.refresh_cache() for st in states)  # nothing left stale
-        return counts
+    def stale(st) -> bool:  # the check itself, on the weights of the last call, without the skip
+        return not keys_match(st._cache_key, tuple(weight_key(r.build()) for r in st._last_call[0]))
 
-    base = check(skipped=False)  # the first call checks every layer
-    assert check(skipped=True) == base
+    def check(checked: set[int]) -> list[int]:
+        """Run the graphs' refresh; exactly the states in ``checked`` run their check."""
+        before = [st.checks_skipped for st in states]
+        graphs._refresh_fp8()
+        assert [st.checks_skipped - b for st, b in zip(states, before)] == [
+            int(i not in checked) for i in range(len(states))]
+        assert not any(stale(st) for st in states)  # nothing left stale
+        return [st._refreshes for st in states]
+
+    every = set(range(len(states)))
+    base = check(every)  # the first call checks every layer
+    assert check(set()) == base
     weight = states[0]._last_call[0][0].tensor
     with torch.no_grad():
         weight.add_(0.01)  # an optimizer's in-place update: the version moves
-    after = check(skipped=False)
+    after = check({0})
     assert after[0] == base[0] + 1 and after[1:] == base[1:]
-    assert check(skipped=True) == after
+    assert check(set()) == after
     states[1].invalidate()
-    again = check(skipped=False)
+    again = check({1})
     assert again[1] == after[1] + 1
     weight.data = weight.data.clone()  # same values and version, another address
-    check(skipped=False)
+    check({0})
     module.run_step(step_batch(module, 1, 1, 2, 256))  # a whole step, optimizer included
-    check(skipped=False)
-    check(skipped=True)
+    check(every)
+    check(set())
