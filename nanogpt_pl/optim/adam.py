@@ -178,13 +178,10 @@ class DistAdam(torch.optim.Optimizer):
                 scatters.append((group, p, shard, work, avg, lo, hi, per))
 
         # 2. replicated parameters: one flat all-reduce per dtype, then the update
-        replicated = [(g, p) for g in self.param_groups if not self._is_sharded(g, world)
-                      for p in g["params"] if p.grad is not None]
-        all_reduce_mean_([p.grad for _, p in replicated], pg)
-        by_group: dict[int, tuple[dict, list[Tensor]]] = {}
-        for group, p in replicated:
-            by_group.setdefault(id(group), (group, []))[1].append(p)
-        for group, params in by_group.values():
+        replicated = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups
+                      if not self._is_sharded(g, world)]
+        all_reduce_mean_([p.grad for _, params in replicated for p in params], pg)
+        for group, params in replicated:
             self._update_many(group, params)
 
         # 3. sharded parameters: own rows, then all-gather
