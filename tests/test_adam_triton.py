@@ -14,11 +14,10 @@ record's embedding and lm_head shape (50,304 x 768).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter
+from seeds import fresh_seed
 
 from nanogpt_pl.optim.adam import DistAdam, resolve_update_backend
 
@@ -109,7 +108,7 @@ def test_kernel_bumps_the_version_counters_of_what_it_writes() -> None:
     read to see that a weight changed; ``adam_update_`` bumps the parameter's and the moments'."""
     from nanogpt_pl.ops.triton.adam_update import adam_update_
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    gen = torch.Generator().manual_seed(fresh_seed())
     param, grad = torch.randn(37, 24, generator=gen), torch.randn(37, 24, generator=gen)
     m, v = torch.zeros(37, 24), torch.zeros(37, 24)
     before, start = [t._version for t in (param, m, v)], param.clone()

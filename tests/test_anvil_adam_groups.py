@@ -10,10 +10,10 @@ bf16 parameters. The multi-rank (sharded lm_head/embed) behaviour is tested in
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import torch
+from seeds import fresh_seed
 
 from nanogpt_pl.optim.adam import DistAdam, row_range
 
@@ -136,7 +136,7 @@ def check_grouped(device: str, cautious: bool, power: int) -> None:
     """``_update_many`` (a group's parameters as ``torch._foreach_*`` calls) against ``_update``
     on each parameter in turn: bit for bit, over bf16 and fp32 parameters, a group without decay,
     and a parameter that skips a step (its own step count, so its own bucket)."""
-    seed = int.from_bytes(os.urandom(3), "little")
+    seed = fresh_seed()
 
     def on(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(q.detach().to(device)) for q in params]

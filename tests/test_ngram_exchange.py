@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from gloo_group import init_gloo, leave, store_path
+from seeds import fresh_seed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -211,10 +211,6 @@ def _compare_worker(rank: int, world: int, store: str, out_dir: str, seed: int) 
     finally:
         dist.destroy_process_group()
     leave()  # only reached when the work above succeeded
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
 
 
 def test_fixed_exchange_equals_the_reference_in_one_process() -> None:
@@ -437,7 +433,7 @@ def test_merge_compact_fixed_sums_equal_the_exact_merge(seed: int) -> None:
     torch.testing.assert_close(merged[:n].double(), sums.double(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+@pytest.mark.parametrize("seed", [fresh_seed()])
 def test_merge_compact_fixed_reads_a_single_entry_without_copying_it(seed: int, monkeypatch) -> None:
     """A queue read as one padded list (``NgramShard``'s kept buffer) is merged in place: the same
     result as the same rows given as several entries, and no concatenation of the one entry."""

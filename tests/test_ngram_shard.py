@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from gloo_group import init_gloo, leave, store_path
+from seeds import fresh_seed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -390,7 +391,7 @@ def _pairs(gen: torch.Generator, sizes: list[int], dtype: torch.dtype = torch.fl
             for n in sizes]
 
 
-@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+@pytest.mark.parametrize("seed", [fresh_seed()])
 def test_gradient_queue_holds_copies_of_what_was_appended(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     q, pairs = GradientQueue(), _pairs(gen, [5, 17, 3, 40, 8, 1, 29])
@@ -408,7 +409,7 @@ def test_gradient_queue_holds_copies_of_what_was_appended(seed: int) -> None:
     assert torch.equal(q.whole()[0], want_rows) and torch.equal(q.whole()[1], want_grads)
 
 
-@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+@pytest.mark.parametrize("seed", [fresh_seed()])
 def test_gradient_queue_allocates_once_for_a_run_of_equal_cycles(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     q = GradientQueue()
@@ -461,7 +462,7 @@ def test_gradient_queue_replace() -> None:
     assert not q
 
 
-@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(3), "little")])
+@pytest.mark.parametrize("seed", [fresh_seed()])
 def test_one_rank_event_reads_the_queue_without_concatenating_it(seed: int, monkeypatch) -> None:
     """The world-1 fixed event on micro-batches of different padded sizes (the buffer grows mid-cycle)
     updates the table exactly as the reference exchange does, and no concatenation of the queue runs."""

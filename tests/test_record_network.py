@@ -7,13 +7,13 @@ derived from the code under test.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from seeds import fresh_seed
 
 from nanogpt_pl.model.attention import (
     QK_NORM_EPS,
@@ -201,7 +201,7 @@ def test_key_offset_matches_its_formula(seed):
 def test_final_mudd_mix_matches_its_reference(dtype):
     """``Mudd.final`` (deltas as one matmul, sources summed one by one) against ``final_reference``
     (the formula: stacked sources times coefficients, summed), output and every gradient."""
-    seed = int.from_bytes(os.urandom(3), "little")
+    seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     mudd = Mudd(96, 2)  # 12 groups of 8 channels
     with torch.no_grad():  # the zero-initialized W₂ and delta weights random, so every term counts

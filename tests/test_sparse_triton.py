@@ -26,12 +26,12 @@ rows of 768, a 4M-row shard).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter  # noqa: E402
+from seeds import fresh_seed
 
 from nanogpt_pl.distributed.ngram_shard import NgramShard
 from nanogpt_pl.distributed.row_exchange import segments_fixed
@@ -319,7 +319,7 @@ def test_kernels_bump_the_version_counters_of_what_they_write():
     from nanogpt_pl.ops.triton.gather_rows import gather_rows_triton_, scatter_add_rows_triton_
     from nanogpt_pl.ops.triton.row_adam import dense_adam_
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    gen = torch.Generator().manual_seed(fresh_seed())
     table, ids = torch.randn(20, 8, generator=gen), torch.randint(0, 20, (6,), generator=gen)
     out = torch.zeros(6, 8)
     v0 = out._version
