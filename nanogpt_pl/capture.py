@@ -9,10 +9,10 @@ Here one graph holds forward + loss + backward of one micro-batch:
 - **Static inputs.** The micro-batch's tensors (token ids, targets, ``cu_seqlens``,
   candidates, prefix targets, the MTP weights as a device tensor) and the sparse leaves the
   n-gram / value-embedding exchange pulled are copied into the graph's own buffers before
-  each replay. The exchange itself stays between the graphs (pull before, gradient
-  hand-back after): eager where it has a collective in it, and where it has none (the fixed
-  exchange at one rank) a graph of its own per token-id layout, :class:`PullGraphs`, whose
-  outputs the micro-batch graphs read in place (no copy).
+  each replay, except the leaves of a captured pull, which the graph reads in place. The
+  exchange itself stays between the graphs (pull before, gradient hand-back after): eager
+  where it has a collective in it, and where it has none (the fixed exchange at one rank) a
+  graph of its own per token-id layout, :class:`PullGraphs`.
 - **Persistent gradients.** The backward accumulates in place into ``.grad`` buffers this
   module owns (allocated once, zeroed when a step first uses them), so the optimizers'
   ``zero_grad(set_to_none=True)`` never frees what a graph writes to. A parameter gets a
