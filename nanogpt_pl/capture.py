@@ -209,6 +209,28 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def close_failed_capture() -> None:
+    """Take the current device's CUDA generator out of capture mode after a capture failed.
+
+    When CUDA invalidates a capture (a host sync inside it, work on a stream it did not fork),
+    torch 2.11's ``CUDAGraph.capture_end`` raises before it ends the default generator's capture;
+    the generator stays in capture mode and the next random op outside a capture fails with
+    "Offset increment outside graph capture encountered unexpectedly". A one-kernel capture on a
+    stream of its own begins and ends that capture properly on the same generator state, so the
+    graphs captured before keep drawing from the state eager ops use. The failed capture's work
+    never ran, so the random stream goes on where it was.
+    """
+    try:
+        scratch = torch.zeros(1, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+            scratch.add_(1.0)
+        del graph
+    except Exception as err:  # pragma: no cover - a CUDA error that outlived the failed capture
+        warnings.warn(f"CUDA graphs: after a failed capture, ending the random generator's capture failed too "
+                      f"({type(err).__name__}: {err}); random ops on this device may fail")
+
+
 @dataclass
 class _Entry:
     visits: int = 0
@@ -405,6 +427,7 @@ class StepGraphs:
         except Exception as err:  # pragma: no cover - depends on the model and the GPU toolchain
             warnings.warn(f"CUDA graphs: capturing key {_short(key)} failed ({type(err).__name__}: {err}); "
                           "this key runs eagerly")
+            close_failed_capture()
             entry.eager_only = True
             graph = None
         check = None
@@ -591,6 +614,7 @@ class PullGraphs:
         except Exception as err:  # pragma: no cover - depends on the channels and the GPU toolchain
             warnings.warn(f"CUDA graphs: capturing the sparse pull of {tuple(ids.shape)} token ids failed "
                           f"({type(err).__name__}: {err}); it runs eagerly")
+            close_failed_capture()
             entry.eager_only = True
             return eager
         if not same:

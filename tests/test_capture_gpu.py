@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from seeds import fresh_seed
 from test_capture import (
     every_technique_gpt,
     every_technique_schedule,
@@ -301,8 +302,8 @@ def test_a_kept_input_is_read_in_place():
         xv = x + visit  # a new tensor each visit: copied in
         lin.zero_grad(set_to_none=True)
         loss = float(graphs.run("k", {"x": xv, "w": fixed}, forward, lambda t: t.backward()))
-        lin.zero_grad(set_to_none=True)
-        want = (lin(xv) * fixed).square().mean()
+        with torch.no_grad():  # a kept autograd graph would tie the next capture to this stream
+            want = (lin(xv) * fixed).square().mean()
         assert loss == pytest.approx(float(want), rel=1e-5), visit
     static = graphs.entries["k"].static_inputs
     assert static["w"] is fixed and static["x"] is not x and graphs.replays == 2
@@ -326,6 +327,32 @@ def test_a_failing_capture_warns_and_stays_eager():
             assert loss == pytest.approx(want_loss, rel=1e-6)
             assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
     assert graphs.entries["k"].eager_only and graphs.replays == 0
+
+
+def test_a_capture_cuda_invalidates_leaves_random_ops_working():
+    """A host sync inside the capture invalidates it: one warning, eager from then on, and the
+    CUDA generator is out of capture mode (torch 2.11 leaves it in; a random op would fail)."""
+    lin, x = _linear_case()
+    graphs = StepGraphs(list(lin.parameters()))
+
+    def forward(inp):
+        loss = lin(inp["x"]).square().mean()
+        float(loss)  # a sync: not permitted while the stream captures
+        return loss, loss
+
+    want_loss, want_grad = _eager(lin, x, 1.0)
+    with pytest.warns(UserWarning, match="capturing key 'k' failed"):
+        for _ in range(3):
+            lin.zero_grad(set_to_none=True)
+            loss = float(graphs.run("k", {"x": x}, forward, lambda t: t.backward()))
+            assert loss == pytest.approx(want_loss, rel=1e-6)
+            assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert graphs.entries["k"].eager_only and graphs.replays == 0
+    torch.cuda.manual_seed(fresh_seed())
+    state = torch.cuda.get_rng_state()
+    a = torch.randn(1000, device="cuda")
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.randn(1000, device="cuda"), a) and a.std() > 0.5
 
 
 def test_run_ahead_keeps_at_most_two_steps_in_flight():

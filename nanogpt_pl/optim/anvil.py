@@ -69,6 +69,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from ..backends import resolve_opt_in
+from ..capture import close_failed_capture
 from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
 
@@ -606,6 +607,7 @@ class Anvil(torch.optim.Optimizer):
             # capture records kernels without running them, so nothing was updated yet
             warnings.warn(f"Anvil: CUDA graph capture failed ({err!r}); running the update eagerly from now on. "
                           f"Pass cuda_graph=False to skip the attempt.")
+            close_failed_capture()
             self.cuda_graph = False
             self._local_work(bank, grad, own, scalars, copy_back)
             return
