@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from nanogpt_pl.optim import sparse_adam
 from nanogpt_pl.optim.sparse_adam import (
     NGRAM_BETA2,
     SPARSE_LR_MUL,
@@ -188,3 +189,35 @@ def test_ngram_channel_refuses_a_first_moment():
     opt = SparseAdam({"ngram": NgramShard(64, 4)}, groups={"ngram": {"betas": (0.75, 0.95)}})
     with pytest.raises(ValueError, match="beta1 = 0"):
         opt.step()
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_segment_update_with_two_sources_sums_each_rows_terms(chunk, monkeypatch):
+    """``update_segments_`` unfused: each row's gradient is the mean of its queued terms, drawn
+    from ``src ++ src2`` (an owner's own fp32 request and the peers' bf16 rows) in chunks of
+    ``chunk`` entries; the same as ``update_`` of the rows' sums formed directly."""
+    from seeds import fresh_seed
+
+    from nanogpt_pl.distributed.row_exchange import segments_fixed
+
+    if chunk is not None:
+        monkeypatch.setattr(sparse_adam, "SPARSE_CHUNK_ROWS", chunk)
+    gen = torch.Generator().manual_seed(fresh_seed())
+    rows, dim, n1, n2 = 40, 6, 30, 50
+    queued = torch.where(torch.rand(n1 + n2, generator=gen) < 0.2, rows, torch.randint(0, rows, (n1 + n2,),
+                                                                                          generator=gen))
+    src = torch.randn(n1, dim, generator=gen)
+    src2 = torch.randn(n2, dim, generator=gen).to(torch.bfloat16)
+    table = torch.randn(rows + 1, dim, generator=gen)  # and the scratch row the padding writes
+    seg = segments_fixed(queued, queued.numel(), rows)
+    got, want = table.clone(), table.clone()
+    fast, ref = LazyRowAdam(rows, torch.device("cpu"), fused=False), LazyRowAdam(rows, torch.device("cpu"), fused=False)
+    fast.update_segments_(got, seg.unique, src, seg.order, seg.offsets, seg.slot, 0.1, 0.95, EPS, 0.01,
+                          src2=src2, grad_divisor=2)
+    terms = torch.cat([src, src2.float()])
+    real = queued < rows
+    uniq = torch.unique(queued[real])
+    sums = torch.zeros(uniq.numel(), dim).index_add_(0, torch.searchsorted(uniq, queued[real]), terms[real]) / 2
+    ref.update_(want, uniq, sums, 0.1, 0.95, EPS, 0.01)
+    torch.testing.assert_close(got[:rows], want[:rows], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(got[:rows], table[:rows])

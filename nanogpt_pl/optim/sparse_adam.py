@@ -59,7 +59,8 @@ DENSE_CHUNK_ROWS = 1 << 16
 # Gradient rows per chunk of a sparse event (the lazy n-gram update, the value embeddings' moment
 # update): a stage-2 event on one GPU carries millions of padded rows of 768 channels, 9-18 GiB
 # per fp32 temporary if done at once (it ran out of memory beside the CUDA graphs' pools); rows
-# are unique, so the chunks are independent and the result is the same.
+# are unique, so the chunks are independent and the result is the same. The unfused segment
+# update gathers its queued terms in chunks of as many, in order: the same sums.
 SPARSE_CHUNK_ROWS = 1 << 18
 
 
@@ -162,10 +163,19 @@ class LazyRowAdam:
             self._fused_update_(table, rows, src, order, offsets, lr, beta2, eps, weight_decay, src2=src2,
                                 grad_scale=1.0 / grad_divisor)
             return
-        if src2 is not None:
-            src = torch.cat([src.float(), src2.float()])
         merged = torch.zeros(rows.numel() + 1, src.shape[-1], dtype=torch.float32, device=src.device)
-        merged.index_add_(0, slot, src.index_select(0, order).float())
+        n1 = src.shape[0]
+        single = src if src2 is None or src2.shape[0] == 0 else src2 if n1 == 0 else None
+        # the terms gathered in chunks, in order (an owner's queue is millions of rows: an fp32
+        # copy of all of them, tens of GB)
+        for a in range(0, order.numel(), SPARSE_CHUNK_ROWS):
+            o = order[a:a + SPARSE_CHUNK_ROWS]
+            if single is not None:
+                terms = single.index_select(0, o).float()
+            else:  # entries below n1 index src, the others src2; no host sync to split them
+                terms = torch.where((o < n1).unsqueeze(1), src.index_select(0, o.clamp(max=n1 - 1)).float(),
+                                    src2.index_select(0, (o - n1).clamp(min=0)).float())
+            merged.index_add_(0, slot[a:a + SPARSE_CHUNK_ROWS], terms)
         if grad_divisor != 1:
             merged.div_(grad_divisor)
         self.update_(table, rows, merged[:-1], lr, beta2, eps, weight_decay)
