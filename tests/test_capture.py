@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,8 +79,8 @@ def make_module(device: str, cuda_graphs: bool, schedule: Schedule, gpt: GPTConf
     module.use_plain_optimizer(module.configure_optimizers())
     module.train()
     # the prefix loss reads a token -> prefix-token table; its contents do not matter here
-    table = torch.full((gpt.vocab_size,), -1, dtype=torch.int64)
-    table[1:1000] = torch.arange(1, 1000) // 2
+    table = np.full(gpt.vocab_size, -1, dtype=np.int64)
+    table[1:1000] = np.arange(1, 1000) // 2
     module._prefix = table
     return module
 

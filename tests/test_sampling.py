@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from seeds import fresh_seed
 
 from nanogpt_pl.data.tokenizer import PADDED_VOCAB
 from nanogpt_pl.ops.sampling import CANDIDATE_MULTIPLE, CandidateSampler
@@ -114,3 +115,28 @@ def test_sampler_follows_the_record_sweep_at_record_shapes():
         assert torch.equal(s.build(torch.from_numpy(t), 50304), torch.arange(50304))
         assert s.offset == offset
     assert padded_negatives > 0
+
+
+def test_prepare_batch_adds_candidates_and_the_tokenizers_prefix_targets():
+    """``SpeedrunModule.prepare_batch`` (host side, before the transfer): each micro-batch gets a
+    candidate set holding its targets and, while the schedule's prefix weight is on, prefix targets
+    equal to the tokenizer's prefix table (RECORD §2) indexed by its targets in torch."""
+    from test_capture import every_technique_schedule, packed_micro_batch
+    from train_helpers import tiny_gpt
+
+    from nanogpt_pl.data.tokenizer import build_prefix_table
+    from nanogpt_pl.module import SpeedrunModule
+
+    module = SpeedrunModule(gpt=tiny_gpt(), schedule=every_technique_schedule(seq_len=512, micro_batches=3))
+    module.prepare_for_training(torch.device("cpu"))
+    seed = fresh_seed()
+    batch = [packed_micro_batch(seed + a, 512, 0, vocab=PADDED_VOCAB - 47) for a in range(3)]
+    targets = [mb["targets"].clone() for mb in batch]
+    out = module.prepare_batch(batch, 0)
+    table = build_prefix_table(PADDED_VOCAB)
+    for mb, t in zip(out, targets):
+        want = table[t]
+        assert mb["prefix_targets"].dtype == torch.int64 and torch.equal(mb["prefix_targets"], want)
+        assert (want >= 0).any() and (want == -1).any()  # real prefixes and tokens without one
+        c = mb["candidates"]
+        assert c.numel() == 2048 and torch.isin(t, c).all()
