@@ -7,7 +7,6 @@ Fixtures: ``one_thread``; ``toy_files`` (small Markov-chain train/val shards); `
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import os
 import subprocess
@@ -29,16 +28,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _release_cuda_cache(request):
-    """A GPU test starts with the cached blocks of the ones before it released: tests at record
-    sizes (tens of GiB) otherwise fail on an 80 GiB card for memory another test left reserved."""
-    if torch.cuda.is_available() and "cuda" in request.keywords:
-        gc.collect()
-        torch.cuda.empty_cache()
-    yield
 
 
 @pytest.fixture
