@@ -39,6 +39,11 @@ switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``.
 every round: one H100 gave the same code's plain loop 180 and 207 ms/step in two calls, and loops
 of one call differed by several percent, so a single A/B of a few percent says little.
 
+``--baseline TREE`` times a code change: the plain loop of another source tree of this project
+(the revision before the change: ``git worktree add TREE REV``, or ``git archive REV | tar -x -C
+TREE``) runs in its own process, started in that tree with its own code and configs, in every round
+right after this tree's plain loop, and the report gives baseline / plain within every round.
+
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
@@ -55,6 +60,7 @@ blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU 
     python benchmarks/step_time.py --only plain --profile profiles --steps 4
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --only plain --no-eager \
         --against configs/ablations/plain_network.yaml
+    python benchmarks/step_time.py --only plain --no-eager --rounds 2 --baseline ../before
 
 Without FineWeb on the machine, ``--corpus quickstart`` (the default when the config's
 files are missing) trains on the embedded corpus, repeated as needed.
@@ -171,8 +177,28 @@ def round_ratios(runs: dict[str, list[dict]], a: str, b: str) -> list[float]:
     return [ra["seconds"] / rb["seconds"] for ra, rb in zip(runs[a], runs[b])]
 
 
-def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]]) -> list[str]:
-    """The command line of one loop's process: this script's arguments, the loop, its own overrides."""
+def without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` less the option ``name`` and its value (``name VALUE`` or ``name=VALUE``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]],
+                  baseline: Optional[str] = None) -> list[str]:
+    """The command line of one loop's process: this script's arguments, the loop, its own overrides.
+    The ``baseline`` loop is the plain loop of the source tree ``baseline``, run by its own copy of
+    this script (started in that tree, so its code, configs and relative paths are its own)."""
+    if mode == "baseline":
+        script = Path(baseline).resolve() / "benchmarks" / "step_time.py"
+        return [sys.executable, str(script), *without_option(argv, "--baseline"), "--child", "plain",
+                "--tag", "baseline"]
     if mode.startswith("variant "):
         name = mode.split(" ", 1)[1]
         cmd = [sys.executable, __file__, *argv, "--child", "plain", "--tag", f"variant-{name}"]
@@ -527,6 +553,9 @@ def main() -> None:
                     help="config override, e.g. model.gpt.ngram_rows=0 (repeatable)")
     ap.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME KEY=VALUE",
                     help="also time the plain loop with these overrides (repeatable; same run, ratio to plain)")
+    ap.add_argument("--baseline", default=None, metavar="TREE",
+                    help="also time the plain loop of another source tree (its own code and configs, e.g. "
+                         "from `git worktree add TREE REV`), in its own process; same run, ratio to plain")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every loop this many times, interleaved; report the median round and each round")
     ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
@@ -537,6 +566,9 @@ def main() -> None:
     if a.against and not Path(a.against).is_file():
         sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
                  "configs/ablations/plain_network.yaml)")
+    if a.baseline and not (Path(a.baseline) / "benchmarks" / "step_time.py").is_file():
+        sys.exit(f"step_time: --baseline {a.baseline}: no benchmarks/step_time.py there (give the root of a "
+                 "source tree of this project, e.g. made with `git worktree add TREE REV`)")
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
     cfg = load_config(a.config)
@@ -564,11 +596,14 @@ def main() -> None:
         modes.insert(modes.index("plain") + 1, "plain-eager")
     if a.against:
         modes.append("against")
+    if a.baseline:
+        modes.append("baseline")
     modes += [f"variant {name}" for name, _ in variants]
     for rnd in range(a.rounds):
         for mode in modes:
-            cmd = child_command(sys.argv[1:], mode, variants)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = child_command(sys.argv[1:], mode, variants, a.baseline)
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  cwd=a.baseline if mode == "baseline" else None)
             if (a.profile or a.cprofile) and mode != "lightning":
                 print(proc.stderr[-40000:])
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -615,6 +650,13 @@ def main() -> None:
     if "plain" in results and "against" in results:
         print(f"{a.config} / {a.config} + {a.against} step time (plain loops): "
               f"{results['plain']['seconds'] / results['against']['seconds']:.3f}x")
+    if "plain" in results and "baseline" in results:
+        per_round = ""
+        if a.rounds > 1:
+            per_round = " (medians; per round " + ", ".join(
+                f"{x:.3f}x" for x in round_ratios(runs, "baseline", "plain")) + ")"
+        print(f"baseline ({a.baseline}) / plain step time: "
+              f"{results['baseline']['seconds'] / results['plain']['seconds']:.3f}x{per_round}")
     for name, sets in variants:
         if "plain" in results and f"variant {name}" in results:
             per_round = ""

@@ -191,3 +191,50 @@ def test_rounds_below_one_are_one_clear_error():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--rounds", "0"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == "step_time: --rounds 0: give 1 or more"
+
+
+def test_the_baseline_loop_runs_the_other_trees_script_without_the_option():
+    mod = _step_time()
+    argv = ["--only", "plain", "--baseline", "../before", "--rounds", "2", "--baseline=x", "--steps", "4"]
+    assert mod.without_option(argv, "--baseline") == ["--only", "plain", "--rounds", "2", "--steps", "4"]
+    cmd = mod.child_command(argv, "baseline", [], "../before")
+    assert cmd[1] == str((Path("../before").resolve() / "benchmarks" / "step_time.py"))
+    assert cmd[2:] == ["--only", "plain", "--rounds", "2", "--steps", "4", "--child", "plain", "--tag", "baseline"]
+    # this tree's own loops keep the option (their parser knows it); only the baseline's drops it
+    assert mod.child_command(argv, "plain", [])[2:] == [*argv, "--child", "plain"]
+
+
+def test_a_missing_baseline_tree_is_one_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--baseline", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"step_time: --baseline {tmp_path}: no benchmarks/step_time.py there (give the root of a source tree of "
+        "this project, e.g. made with `git worktree add TREE REV`)")
+
+
+def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path):
+    """A real two-tree run on the CPU: the baseline loop imports the other tree's package (a marker
+    its copy leaves) and the report has its row and its ratio to plain."""
+    import shutil
+    import subprocess
+    import sys
+
+    tree = tmp_path / "before"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("benchmarks", "nanogpt_pl", "callbacks", "configs"):
+        shutil.copytree(ROOT / name, tree / name, ignore=skip)
+    init = tree / "nanogpt_pl" / "__init__.py"
+    init.write_text(init.read_text() + "\nimport pathlib as _p\n(_p.Path(__file__).parents[1] / 'imported').touch()\n")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--config",
+                          "configs/quickstart.yaml", "--only", "plain", "--no-eager", "--steps", "1", "--warmup", "1",
+                          "--baseline", str(tree)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (tree / "imported").is_file() and not (ROOT / "imported").exists()
+    rows = [ln.split() for ln in out.stdout.splitlines()]
+    table = [r for r in rows if len(r) == 7 and r[3].endswith("%")]  # loop, ms/step, tokens/s, MFU, ...
+    assert [r[0] for r in table] == ["plain", "baseline"] and float(table[1][1]) > 0
+    assert any(ln.startswith(f"baseline ({tree}) / plain step time: ") for ln in out.stdout.splitlines())
