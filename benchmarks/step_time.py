@@ -190,6 +190,14 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
+def baseline_error(tree: str) -> Optional[str]:
+    """The one-line error for a ``--baseline`` that is not a source tree of this project, else None."""
+    if (Path(tree) / "benchmarks" / "step_time.py").is_file():
+        return None
+    return (f"step_time: --baseline {tree}: no benchmarks/step_time.py there (give the root of a source tree "
+            "of this project, e.g. made with `git worktree add TREE REV`)")
+
+
 def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]],
                   baseline: Optional[str] = None) -> list[str]:
     """The command line of one loop's process: this script's arguments, the loop, its own overrides.
@@ -566,9 +574,8 @@ def main() -> None:
     if a.against and not Path(a.against).is_file():
         sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
                  "configs/ablations/plain_network.yaml)")
-    if a.baseline and not (Path(a.baseline) / "benchmarks" / "step_time.py").is_file():
-        sys.exit(f"step_time: --baseline {a.baseline}: no benchmarks/step_time.py there (give the root of a "
-                 "source tree of this project, e.g. made with `git worktree add TREE REV`)")
+    if a.baseline and baseline_error(a.baseline):
+        sys.exit(baseline_error(a.baseline))
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
     cfg = load_config(a.config)
