@@ -151,6 +151,32 @@ def test_fp8_caches_follow_the_weights_anvil_graphs_write():
         assert all(b < a for b, a in zip(before, after)), counts
 
 
+def test_a_captured_step_makes_no_host_sync():
+    """Issue 13, no host syncs in the step: once its key is captured, a whole step (the pull graph,
+    the micro-batch graphs, the sparse push and event with the fixed exchange, the FP8 refresh, ANVIL
+    from its graphs, Adam) runs under torch's sync debug mode set to error. The batch is prepared
+    and moved to the GPU before the check, as the loader does one step ahead; the run-ahead wait
+    (an event synchronize, at most two steps back) is not an ATen sync."""
+    steps = 5
+    module = make_module("cuda", True, every_technique_schedule(steps=steps, seq_len=SEQ, micro_batches=2),
+                         every_technique_gpt(), seed=0, matrix_optimizer="anvil")
+    for step in range(3):  # visit, capture, replay
+        module.apply_schedule(step)
+        module.run_step(step_batch(module, step, 30, 2, SEQ))
+    batch = step_batch(module, 2, 30, 2, SEQ)  # step 2's micro-batches again: the key captured above
+    module.apply_schedule(3)
+    graphs = module._step_graphs()
+    replays, pulls = graphs.graphs.replays, graphs.pulls.replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = module.run_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs.graphs.replays == replays + 2 and graphs.pulls.replays == pulls + 2
+    assert bool(torch.isfinite(loss))
+
+
 def _tensors(out) -> list:
     return [(name, t.detach().clone(), t.requires_grad) for name, t in _flatten(out) if isinstance(t, torch.Tensor)]
 
