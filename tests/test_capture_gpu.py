@@ -335,37 +335,31 @@ def test_a_kept_input_is_read_in_place():
     assert static["w"] is fixed and static["x"] is not x and graphs.replays == 2
 
 
-def test_a_failing_capture_warns_and_stays_eager():
-    lin, x = _linear_case()
-    graphs = StepGraphs(list(lin.parameters()))
-
+def _raises_while_capturing(lin):
     def forward(inp):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("not capturable")
         loss = lin(inp["x"]).square().mean()
         return loss, loss
-
-    want_loss, want_grad = _eager(lin, x, 1.0)
-    with pytest.warns(UserWarning, match="capturing key 'k' failed"):
-        for _ in range(3):
-            lin.zero_grad(set_to_none=True)
-            loss = float(graphs.run("k", {"x": x}, forward, lambda t: t.backward()))
-            assert loss == pytest.approx(want_loss, rel=1e-6)
-            assert torch.allclose(lin.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
-    assert graphs.entries["k"].eager_only and graphs.replays == 0
+    return forward
 
 
-def test_a_capture_cuda_invalidates_leaves_random_ops_working():
-    """A host sync inside the capture invalidates it: one warning, eager from then on, and the
-    CUDA generator is out of capture mode (torch 2.11 leaves it in; a random op would fail)."""
-    lin, x = _linear_case()
-    graphs = StepGraphs(list(lin.parameters()))
-
+def _syncs(lin):
     def forward(inp):
         loss = lin(inp["x"]).square().mean()
-        float(loss)  # a sync: not permitted while the stream captures
+        float(loss)  # a sync: not permitted while the stream captures; CUDA invalidates the capture
         return loss, loss
+    return forward
 
+
+@pytest.mark.parametrize("make_forward", [_raises_while_capturing, _syncs], ids=["raises", "syncs"])
+def test_a_failing_capture_warns_and_stays_eager(make_forward):
+    """A forward that raises while capturing, or one whose host sync makes CUDA invalidate the
+    capture: one warning, eager from then on, and random ops still work (after an invalidated
+    capture torch 2.11 leaves the CUDA generator in capture mode; ``close_failed_capture``)."""
+    lin, x = _linear_case()
+    graphs = StepGraphs(list(lin.parameters()))
+    forward = make_forward(lin)
     want_loss, want_grad = _eager(lin, x, 1.0)
     with pytest.warns(UserWarning, match="capturing key 'k' failed"):
         for _ in range(3):
