@@ -198,6 +198,15 @@ def baseline_error(tree: str) -> Optional[str]:
             "of this project, e.g. made with `git worktree add TREE REV`)")
 
 
+def ratio_text(results: dict[str, dict], runs: dict[str, list[dict]], a: str, b: str) -> str:
+    """``a``'s time over ``b``'s: the ratio of their median rounds and, over several rounds, the
+    ratio within every round."""
+    text = f"{results[a]['seconds'] / results[b]['seconds']:.3f}x"
+    if len(runs[a]) > 1:
+        text += " (medians; per round " + ", ".join(f"{x:.3f}x" for x in round_ratios(runs, a, b)) + ")"
+    return text
+
+
 def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str]]],
                   baseline: Optional[str] = None) -> list[str]:
     """The command line of one loop's process: this script's arguments, the loop, its own overrides.
@@ -658,20 +667,11 @@ def main() -> None:
         print(f"{a.config} / {a.config} + {a.against} step time (plain loops): "
               f"{results['plain']['seconds'] / results['against']['seconds']:.3f}x")
     if "plain" in results and "baseline" in results:
-        per_round = ""
-        if a.rounds > 1:
-            per_round = " (medians; per round " + ", ".join(
-                f"{x:.3f}x" for x in round_ratios(runs, "baseline", "plain")) + ")"
-        print(f"baseline ({a.baseline}) / plain step time: "
-              f"{results['baseline']['seconds'] / results['plain']['seconds']:.3f}x{per_round}")
+        print(f"baseline ({a.baseline}) / plain step time: {ratio_text(results, runs, 'baseline', 'plain')}")
     for name, sets in variants:
         if "plain" in results and f"variant {name}" in results:
-            per_round = ""
-            if a.rounds > 1:
-                per_round = " (medians; per round " + ", ".join(
-                    f"{x:.3f}x" for x in round_ratios(runs, "plain", f"variant {name}")) + ")"
             print(f"plain / {name} ({' '.join(sets)}) step time: "
-                  f"{results['plain']['seconds'] / results[f'variant {name}']['seconds']:.3f}x{per_round}")
+                  f"{ratio_text(results, runs, 'plain', f'variant {name}')}")
 
 
 if __name__ == "__main__":

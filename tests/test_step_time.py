@@ -178,6 +178,11 @@ def test_rounds_report_each_loops_median_round_and_the_ratio_within_every_round(
     assert combined["plain"] == {"seconds": 1.90, "peak": 3, "graphs": "c", "rounds": [1.80, 2.07, 1.90]}
     assert combined["variant x"]["seconds"] == 1.97 and combined["variant x"]["peak"] == 5
     assert mod.round_ratios(runs, "plain", "variant x") == pytest.approx([1.80 / 2.03, 2.07 / 1.97, 1.90 / 1.85])
+    # the printed ratio: the median rounds', then each round's
+    assert mod.ratio_text(combined, runs, "plain", "variant x") == (
+        f"{1.90 / 1.97:.3f}x (medians; per round {1.80 / 2.03:.3f}x, {2.07 / 1.97:.3f}x, {1.90 / 1.85:.3f}x)")
+    one = {"plain": [{"seconds": 2.0}], "baseline": [{"seconds": 2.2}]}
+    assert mod.ratio_text(mod.combine_rounds(one), one, "baseline", "plain") == "1.100x"
     # an even count takes the lower middle round; one round is itself
     two = mod.combine_rounds({"plain": [{"seconds": 3.0}, {"seconds": 2.0}]})
     assert two["plain"]["seconds"] == 2.0 and two["plain"]["rounds"] == [3.0, 2.0]
