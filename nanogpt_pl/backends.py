@@ -60,8 +60,8 @@ class Backends:
         fp8: the FP8 matmuls of the MLP, QKV and lm_head (``nanogpt_pl.ops.fp8``): ``auto``,
             ``reference`` (quantize, dequantize, fp32 matmul) or ``scaled_mm`` (CUDA, sm_89+).
         loss: the softcapped (sampled) cross-entropy of training (``nanogpt_pl.ops.cross_entropy``):
-            ``auto``, ``reference`` (autograd on fp32 logits), ``chunked`` (the fused algorithm in
-            PyTorch) or ``triton``.
+            ``auto`` (``triton`` on CUDA, ``chunked`` elsewhere), ``reference`` (autograd on fp32
+            logits), ``chunked`` (the fused algorithm in PyTorch) or ``triton``.
         polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
             ``triton``.
         anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay

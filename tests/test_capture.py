@@ -543,9 +543,9 @@ def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(o
     module.apply_schedule(0)
     module.run_step(step_batch(module, 0, 1, 2, 256))  # every FP8 layer has run once (its last call)
     graphs = ModuleGraphs(module)
-    # the matrix layers' states (the head's is used by the GPU loss kernels only)
+    # every layer's state: the eight matrix layers' and the head's (the fused loss runs its GEMMs)
     states = [st for st in graphs.fp8_states if st._last_call is not None]
-    assert len(states) == 8
+    assert len(states) == len(graphs.fp8_states) == 9
 
     def stale(st) -> bool:  # the check itself, on the weights of the last call, without the skip
         return not keys_match(st._cache_key, tuple(weight_key(r.build()) for r in st._last_call[0]))

@@ -11,7 +11,9 @@ import os
 
 import pytest
 import torch
+from seeds import fresh_seed
 
+import nanogpt_pl.ops.cross_entropy as ce
 from nanogpt_pl.backends import Backends
 from nanogpt_pl.data.tokenizer import PADDED_VOCAB
 from nanogpt_pl.module import SpeedrunModule
@@ -114,6 +116,22 @@ def test_full_reference_and_chunked_match_oracle(case, seed):
         assert abs(got[0].item() - want[0].item()) <= 1e-5 * abs(want[0].item())
         assert rel(got[1], want[1]) < 1e-5
         assert rel(got[2], want[2]) < 1e-5
+
+
+def test_auto_on_the_cpu_is_the_chunked_path(monkeypatch):
+    """``auto`` runs the fused chunked path on a CPU (its row math), with the oracle's loss and gradients."""
+    calls = []
+    rows_fn = ce._torch_rows
+    monkeypatch.setattr(ce, "_torch_rows", lambda logits, *a: (calls.append(logits.shape[0]), rows_fn(logits, *a)))
+    monkeypatch.setattr(ce, "_reference_loss", None)  # a call would fail
+    seed = fresh_seed()
+    x, w, t, pf = make_problem(seed, n=300)
+    kw = dict(mtp_weights=(1.0, 0.5), prefix_targets=pf, prefix_weight=0.2)
+    want = loss_and_grads(lambda a, b: oracle_loss(a, b, t, (1.0, 0.5), pf, 0.2), x.double(), w.double())
+    got = loss_and_grads(lambda a, b: lm_head_loss(a, b, t, backend="auto", chunk_rows=128, **kw), x, w)
+    assert calls == [128, 128, 44], seed
+    assert abs(got[0].item() - want[0].item()) <= 1e-5 * abs(want[0].item()), seed
+    assert rel(got[1], want[1]) < 1e-5 and rel(got[2], want[2]) < 1e-5, seed
 
 
 def test_chunk_size_does_not_change_result():
@@ -348,6 +366,10 @@ def test_default_chunk_rows():
     assert default_chunk_rows(49152, 10240, "cuda") == 24576
     assert default_chunk_rows(262144, PADDED_VOCAB, "cuda") == 8192
     assert default_chunk_rows(10, PADDED_VOCAB, "cpu") == 10
+    # CPU chunks hold about 1 Mi fp32 logits (4 MiB, cache-sized): 256 rows of the quickstart's
+    # 4,096 candidates, 128 rows (the row multiple) of the full vocabulary
+    assert default_chunk_rows(2048, 4096, "cpu") == 256
+    assert default_chunk_rows(8192, PADDED_VOCAB, "cpu") == 128
     for n, p in [(1000, 50304), (49152, 24576), (777, 3)]:
         rows = default_chunk_rows(n, p, "cpu")
         assert 1 <= rows <= n and (rows == n or rows % 128 == 0)

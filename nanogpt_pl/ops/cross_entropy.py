@@ -331,8 +331,9 @@ def lm_head_loss(
         backend: ``"reference"`` (plain PyTorch autograd, fp32 softmax over the gathered
             logits; memory grows with N·P), ``"chunked"`` (the fused algorithm, row math in
             PyTorch; any device), ``"triton"`` (the fused Triton kernel; CUDA, or the CPU
-            interpreter with ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, reference
-            otherwise).
+            interpreter with ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, chunked
+            otherwise: on a CPU the chunked path's cache-sized chunks ran the quickstart's step
+            1.26x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
         head: how the fused path runs its GEMMs (:class:`HeadMatmul`); default
             :class:`TorchHeadMatmul`. The reference backend ignores it.
         chunk_rows: rows per chunk of the fused path; default :func:`default_chunk_rows`.
@@ -368,7 +369,7 @@ def lm_head_loss(
         prefix_targets = _to_device(prefix_targets, hidden.device).long()
 
     if backend == "auto":
-        backend = "triton" if hidden.is_cuda else "reference"
+        backend = "triton" if hidden.is_cuda else "chunked"
     if backend == "reference":
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
