@@ -443,11 +443,14 @@ def _graph_counts(module) -> dict:
     """Replays, eager micro-batches and captured keys of the module's CUDA graphs so far (zeros without)."""
     graphs = getattr(module, "_graphs", None)
     if graphs is None:
-        return {"replays": 0, "eager": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0}
-    g, pulls = graphs.graphs, graphs.pulls
+        return {"replays": 0, "eager": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0, "refresh_replays": 0,
+                "refresh_eager": 0}
+    g, pulls, refresh = graphs.graphs, graphs.pulls, graphs.refresh
     return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys()),
             "pull_replays": pulls.replays if pulls is not None else 0,
-            "pull_eager": pulls.eager_runs if pulls is not None else 0}
+            "pull_eager": pulls.eager_runs if pulls is not None else 0,
+            "refresh_replays": refresh.replays if refresh is not None else 0,
+            "refresh_eager": refresh.eager_runs if refresh is not None else 0}
 
 
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
@@ -540,10 +543,13 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         # self-check (and the device synchronize a capture starts with) on the clock
         graphs += ("; sparse pulls: " + (f"{after['pull_replays']} replayed, {after['pull_eager']} eager"
                                          if module._graphs.pulls is not None else "eager"))
+        graphs += ("; FP8 refreshes: " + (f"{after['refresh_replays']} replayed, {after['refresh_eager']} eager"
+                                          if module._graphs.refresh is not None else "eager"))
         graphs += (f"; in the timed steps: {timed['replays']} replayed, {timed['eager']} eager, "
                    f"{timed['keys']} keys captured, {timed['pull_replays']} pulls replayed, {timed['pull_eager']} "
-                   "eager" + (" (captures on the clock: raise --warmup)" if timed["eager"] or timed["keys"]
-                              or timed["pull_eager"] else ""))
+                   f"eager, {timed['refresh_replays']} FP8 refreshes replayed, {timed['refresh_eager']} eager"
+                   + (" (captures on the clock: raise --warmup)" if timed["eager"] or timed["keys"]
+                      or timed["pull_eager"] or timed["refresh_eager"] else ""))
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 
