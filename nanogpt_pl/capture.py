@@ -629,6 +629,142 @@ class PullGraphs:
         return outputs
 
 
+@dataclass
+class _RefreshEntry:
+    visits: int = 0
+    graph: Any = None
+    addresses: tuple = ()  # what the graph reads and writes, by address (checked before each replay)
+    eager_only: bool = False
+
+
+def _bytes_equal(a: Tensor, b: Tensor) -> bool:
+    """Bit-for-bit equality (NaNs included) of two tensors of one dtype and shape."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+class RefreshGraphs:
+    """The FP8 weight refresh after an optimizer step as CUDA graph replays (RECORD §11's
+    optimizer-tail graphs, (b)).
+
+    ``run`` stands for every state's ``refresh_cache``: the states whose weights changed
+    (``Fp8State.stale``) refresh, through one graph per key, the key being which states are stale
+    and each one's ``refresh_variant`` (the MLP's exact-scale bootstrap or lagged scales). The set
+    changes with the optimizer: the matrices every step, the lm_head only on the steps its Adam
+    group updates (the record's two MLP graphs, with and without the head).
+
+    - A key's first visit refreshes eagerly. The second refreshes eagerly (the step keeps that
+      result), then restores every tensor the refresh writes and its host record, captures the
+      refresh from there, replays it and compares all it wrote with the eager result bit for bit.
+      A difference or an exception is one warning and eager refreshes for that key from then on.
+    - Later visits check the addresses the graph baked (the weights', the buffers', the held
+      caches'), replay and then do each state's host bookkeeping (``commit_refresh``). A moved
+      address drops every refresh graph (one warning) and the key starts again.
+    - The states must hold their cache addresses (``hold_cache_addresses``).
+    """
+
+    def __init__(self, states: Sequence[Any]) -> None:
+        self.states = list(states)
+        self.entries: dict[tuple, _RefreshEntry] = {}
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._pool = None
+        self.replays = 0
+        self.eager_runs = 0
+
+    def captured(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+    def run(self) -> None:
+        """Refresh every stale state: eagerly, by capture, or by replay (see the class)."""
+        marked = [(i, st) for i, st in enumerate(self.states) if st.stale()]
+        if not marked:
+            return
+        stale = [st for _, st in marked]
+        key = tuple((i, st.refresh_variant()) for i, st in marked)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _RefreshEntry()
+        entry.visits += 1
+        cuda = all(t.is_cuda for st in stale for t in st.refresh_writes())
+        if entry.graph is not None:
+            if self._addresses(stale) == entry.addresses:
+                with record_function("graphs/fp8_refresh_replay"):
+                    entry.graph.replay()
+                for st in stale:
+                    st.commit_refresh()
+                self.replays += 1
+                return
+            warnings.warn("CUDA graphs: FP8 weights, scales or caches moved in memory; capturing the refresh again")
+            self.entries.clear()
+            entry = self.entries[key] = _RefreshEntry(visits=1)
+        if entry.eager_only or entry.visits < 2 or not cuda:
+            self._eager(stale)
+            return
+        self._capture(key, entry, stale)
+
+    def _eager(self, stale: Sequence[Any]) -> None:
+        self.eager_runs += 1
+        for st in stale:
+            st.refresh_now()
+
+    @staticmethod
+    def _addresses(stale: Sequence[Any]) -> tuple:
+        out = []
+        for st in stale:
+            out += [t.data_ptr() for t in st.refresh_writes()]
+            out += [r.build().data_ptr() for r in st._last_call[0]]
+        return tuple(out)
+
+    def _capture(self, key: tuple, entry: _RefreshEntry, stale: Sequence[Any]) -> None:
+        written = [t for st in stale for t in st.refresh_writes()]
+        start = [t.clone() for t in written]
+        hosts = [st.host_state() for st in stale]
+        self._eager(stale)  # the result the step keeps
+        done = [t.clone() for t in written]
+        done_hosts = [st.host_state() for st in stale]
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        side, current = self._stream, torch.cuda.current_stream()
+        graph = None
+        same = False
+        try:
+            with torch.no_grad():
+                for t, v in zip(written, start):
+                    t.copy_(v)
+            for st, h in zip(stale, hosts):
+                st.set_host_state(h)
+                st.allow_refresh_in_capture(True)
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(current)
+            # thread_local: the data loader's prefetch thread may pin memory meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                for st in stale:
+                    st.refresh_now()
+            graph.replay()
+            same = all(_bytes_equal(t, v) for t, v in zip(written, done))
+        except Exception as err:  # pragma: no cover - depends on the states and the GPU toolchain
+            warnings.warn(f"CUDA graphs: capturing the FP8 refresh of {len(stale)} layers failed "
+                          f"({type(err).__name__}: {err}); it runs eagerly")
+            close_failed_capture()
+            graph = None
+        finally:
+            for st in stale:
+                st.allow_refresh_in_capture(False)
+        if graph is not None and same:
+            entry.graph, entry.addresses = graph, self._addresses(stale)
+            return
+        if graph is not None:
+            warnings.warn(f"CUDA graphs: the replayed FP8 refresh of {len(stale)} layers differs from the eager "
+                          "one; it runs eagerly")
+        entry.eager_only = True
+        with torch.no_grad():  # leave the eager refresh's result
+            for t, v in zip(written, done):
+                t.copy_(v)
+        for st, h in zip(stale, done_hosts):
+            st.set_host_state(h)
+
+
 def _short(key: Any) -> str:
     if isinstance(key, CaptureKey):
         return (f"(T={key.tokens}, docs={key.max_docs}, max_seqlen={key.max_seqlen}, windows={key.windows}, "
@@ -656,6 +792,9 @@ class ModuleGraphs:
         self.fp8_states = [m for m in module.model.modules() if isinstance(m, Fp8State)]
         for st in self.fp8_states:
             st.hold_cache_addresses(True)
+        # the refresh after each optimizer step (model.cuda_graphs_fp8_refresh), else eager
+        self.refresh: Optional[RefreshGraphs] = (
+            RefreshGraphs(self.fp8_states) if getattr(module, "cuda_graphs_fp8_refresh", True) else None)
         channels = module.sparse_channels
         self.pulls: Optional[PullGraphs] = (
             PullGraphs(fingerprint=channels.table_addresses) if channels is not None and channels.capturable else None)
@@ -667,6 +806,9 @@ class ModuleGraphs:
         self._docs_bound: dict[int, int] = {}  # T -> the cu_seqlens length its keys use (only grows)
 
     def _refresh_fp8(self) -> None:
+        if self.refresh is not None:
+            self.refresh.run()
+            return
         for st in self.fp8_states:
             st.refresh_cache()
 

@@ -223,6 +223,9 @@ class SpeedrunModule(L.LightningModule):
         cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
             graph per configuration key and replay it (``nanogpt_pl/capture.py``, RECORD §11); each
             capture is checked against eager first. No effect on CPU (one warning if set).
+        cuda_graphs_fp8_refresh: with ``cuda_graphs``, also replay the FP8 weight refresh after each
+            optimizer step from CUDA graphs (``capture.RefreshGraphs``; each checked bit for bit
+            against an eager refresh first); false refreshes eagerly.
     """
 
     def __init__(
@@ -235,6 +238,7 @@ class SpeedrunModule(L.LightningModule):
         param_dtype: str = "auto",
         cuda_graphs: bool = False,
         fp8_graph_breaks: bool = False,
+        cuda_graphs_fp8_refresh: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -251,6 +255,7 @@ class SpeedrunModule(L.LightningModule):
             raise ValueError(f"model.param_dtype={param_dtype!r}: choose 'auto', 'bfloat16' or 'float32'")
         self.param_dtype = param_dtype
         self.cuda_graphs = cuda_graphs
+        self.cuda_graphs_fp8_refresh = cuda_graphs_fp8_refresh
         self.model = GPT(gpt, backends)
         self.settings = StepSettings(windows=self.schedule.windows(0))
         self.sampler: Optional[SliceSamplers] = None

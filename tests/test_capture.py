@@ -534,6 +534,52 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     assert torch._dynamo.config.recompile_limit == 8  # dynamo's default, as the other tests expect
 
 
+def test_a_committed_refresh_leaves_the_host_record_a_real_refresh_leaves(one_thread):
+    """After a refresh graph's replay, ``commit_refresh`` does a refresh's host side: for every layer
+    an optimizer step made stale, the cache key, kernel, count and check record equal what
+    ``refresh_now`` leaves, and the layer is no longer stale. ``RefreshGraphs`` keys its graphs by
+    the stale layers and each one's variant: the MLP's exact-scale bootstrap, then lagged scales."""
+    module = make_module("cpu", False, every_technique_schedule(steps=6, seq_len=256, micro_batches=2),
+                         every_technique_gpt())
+    module.apply_schedule(0)
+    module.run_step(step_batch(module, 0, 1, 2, 256))
+    graphs = ModuleGraphs(module)
+    states = graphs.fp8_states
+    mlps = [st for st in states if isinstance(st, Fp8MLPState)]
+    assert mlps and len(mlps) < len(states)
+    for st in mlps:
+        st.exact_weight_refreshes = st._refreshes + 3  # three more exact refreshes, then lagged ones
+    graphs._refresh_fp8()  # the step changed every weight: the first (exact) refresh
+    module.run_step(step_batch(module, 1, 1, 2, 256))  # the optimizer changes every weight
+    stale = [st for st in states if st.stale()]
+    assert stale == states
+    for st in stale:
+        before = st.host_state()
+        st.refresh_now()
+        real = st.host_state()
+        st.set_host_state(before)
+        st.commit_refresh()
+        got = st.host_state()
+        assert keys_match(got[0], tuple(weight_key(r.build()) for r in st._last_call[0]))
+        assert keys_match(real[0], tuple(weight_key(r.build()) for r in st._last_call[0]))
+        assert got[1:3] == real[1:3] and real[2] == before[2] + 1
+        assert got[3][0] is real[3][0] and got[3][2] == real[3][2]  # the same last call and weight versions
+        assert not st.stale()
+    refresh = graphs.refresh
+    assert refresh is not None and refresh.eager_runs == 1  # the second refresh was the one above
+    variants = []
+    for step in range(2, 6):
+        module.run_step(step_batch(module, step, 1, 2, 256))
+        graphs._refresh_fp8()
+        assert not any(st.stale() for st in states)
+        variants.append({v for _, v in list(refresh.entries)[-1]})
+    # off a GPU every refresh is eager; the keys name every layer and the bootstrap's end
+    assert refresh.eager_runs == 5 and refresh.replays == 0
+    assert variants == [{(), (True,)}, {(), (False,)}, {(), (False,)}, {(), (False,)}]
+    assert [e.visits for e in refresh.entries.values()] == [2, 3]
+    assert all(len(k) == len(states) for k in refresh.entries)
+
+
 def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(one_thread):
     """Before a micro-batch, ``ModuleGraphs`` asks every FP8 layer to check its cache; a layer runs the
     check only when a weight it reads (its address or version), its last call or its cache key

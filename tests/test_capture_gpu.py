@@ -151,6 +151,44 @@ def test_fp8_caches_follow_the_weights_anvil_graphs_write():
         assert all(b < a for b, a in zip(before, after)), counts
 
 
+def test_the_fp8_refresh_replays_what_an_eager_refresh_computes():
+    """RECORD §11's refresh graphs: after every optimizer step, the refresh from its graph (once the
+    key is captured) writes the same bytes into every scale, amax, count and cache as an eager
+    refresh from the same values, and leaves the same host record (count, nothing stale)."""
+    steps = 6
+    module = make_module("cuda", True, every_technique_schedule(steps=steps, seq_len=SEQ, micro_batches=2),
+                         every_technique_gpt(), seed=0, matrix_optimizer="anvil")
+    graphs = module._step_graphs()
+    refresh, states = graphs.refresh, graphs.fp8_states
+    assert refresh is not None and states
+    for step in range(steps):
+        module.apply_schedule(step)
+        module.run_step(step_batch(module, step, 40, 2, SEQ))
+        stale = [st for st in states if st.stale()]
+        assert stale
+        writes = [t for st in stale for t in st.refresh_writes()]
+        start, hosts = [t.clone() for t in writes], [st.host_state() for st in stale]
+        replays = refresh.replays
+        graphs._refresh_fp8()  # eager, capture or replay
+        torch.cuda.synchronize()
+        got, got_counts = [t.clone() for t in writes], [st._refreshes for st in stale]
+        assert not any(st.stale() for st in states)
+        with torch.no_grad():
+            for t, v in zip(writes, start):
+                t.copy_(v)
+        for st, h in zip(stale, hosts):
+            st.set_host_state(h)
+        for st in stale:
+            st.refresh_now()
+        torch.cuda.synchronize()
+        for t, v in zip(writes, got):
+            assert torch.equal(t.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), step
+        assert [st._refreshes for st in stale] == got_counts
+        if step >= 2:  # the key's first visit ran eagerly and its second captured
+            assert refresh.replays == replays + 1, step
+    assert refresh.captured() >= 1
+
+
 def test_a_captured_step_makes_no_host_sync():
     """Issue 13, no host syncs in the step: once its key is captured, a whole step (the pull graph,
     the micro-batch graphs, the sparse push and event with the fixed exchange, the FP8 refresh, ANVIL

@@ -130,6 +130,7 @@ class Fp8State(nn.Module):
         self._kernels_override: Any = None  # tests run the fast path on CPU under TRITON_INTERPRET=1
         self._warned_recomputed = False
         self._hold = False  # see hold_cache_addresses
+        self._capture_ok = False  # see allow_refresh_in_capture
         self._last_call: Optional[tuple] = None  # (WeightRecipes, kernels) of the last refresh, for refresh_cache
         self._checked: Optional[tuple] = None  # what refresh_cache's last full check read (_watch())
         self.checks_skipped = 0  # refresh_cache calls that found nothing it reads changed
@@ -157,17 +158,63 @@ class Fp8State(nn.Module):
         by identity; each weight root's address and version): between two optimizer steps only the
         first micro-batch pays for the check (``benchmarks/host_work.py``: the record network's
         layers together 8.1x less host time skipped than checked, on a CPU)."""
+        if not self.stale():
+            return False
+        return self.refresh_now()
+
+    def stale(self) -> bool:
+        """Whether :meth:`refresh_cache` would refresh now: its check without the refresh. False
+        before the first call; a check that finds nothing changed is remembered (and counted in
+        ``checks_skipped`` when even the cheap watch is unchanged)."""
         if self._last_call is None:
             return False
         seen, watch = self._checked, self._watch()
         if seen is not None and watch[0] is seen[0] and watch[1] is seen[1] and watch[2] == seen[2]:
             self.checks_skipped += 1
             return False
+        recipes, kern = self._last_call
+        key = tuple(weight_key(r.build()) for r in recipes)
+        if self.cache_tensors() and self._cache_kern == kern.name and keys_match(self._cache_key, key):
+            self._checked = watch
+            return False
+        return True
+
+    def refresh_now(self) -> bool:
+        """Refresh from the weights of the last call, unless their cache is current; True if it refreshed."""
         before = self._refreshes
         recipes, kern = self._last_call
         self._refresh_with(tuple(r.build() for r in recipes), kern)
         self._checked = self._watch()
         return self._refreshes != before
+
+    # -- the refresh as a CUDA graph (nanogpt_pl/capture.py, RefreshGraphs) --------------------
+    def refresh_variant(self) -> tuple:
+        """What the Python of a refresh branches on besides the weights: part of a refresh graph's key."""
+        return ()
+
+    def refresh_writes(self) -> list[Tensor]:
+        """Every tensor a refresh writes (held in place): the scale, amax and count buffers and the caches."""
+        return [b for b in self.buffers(recurse=False)] + self.cache_tensors()
+
+    def host_state(self) -> tuple:
+        """The host-side record of the last refresh (restored by :meth:`set_host_state`)."""
+        return self._cache_key, self._cache_kern, self._refreshes, self._checked
+
+    def set_host_state(self, state: tuple) -> None:
+        self._cache_key, self._cache_kern, self._refreshes, self._checked = state
+
+    def commit_refresh(self) -> None:
+        """The host's side of a refresh whose device work ran as a graph replay: the cache key of
+        the weights now, the refresh count and the check's record, as :meth:`refresh_now` leaves them."""
+        recipes, kern = self._last_call
+        self._cache_key = tuple(weight_key(r.build()) for r in recipes)
+        self._cache_kern = kern.name
+        self._refreshes += 1
+        self._checked = self._watch()
+
+    def allow_refresh_in_capture(self, on: bool) -> None:
+        """Let a refresh run inside a CUDA graph capture (the refresh graph's own capture)."""
+        self._capture_ok = on
 
     def _watch(self) -> tuple:
         """What :meth:`refresh_cache`'s check reads, cheaply: the last call, the cache key and each
@@ -186,7 +233,7 @@ class Fp8State(nn.Module):
     def _before_refresh(self, weights: tuple, kern: Any) -> None:
         """Bookkeeping of every refresh: remember the weights; refuse to run inside a capture."""
         w = weights[0]
-        if self._hold and w.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self._hold and not self._capture_ok and w.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{self.config_key}: the FP8 weight cache went stale inside a CUDA graph capture; "
                                "call refresh_cache() before capturing")
         self._last_call = (tuple(WeightRecipe.of(w) for w in weights), kern)

@@ -157,6 +157,9 @@ class Fp8MLPState(Fp8State):
     def _refresh_with(self, weights: tuple, kern: Any) -> None:
         self.caches_for(weights[0], weights[1], kern)
 
+    def refresh_variant(self) -> tuple:
+        return (self._refreshes < self.exact_weight_refreshes,)  # the exact-scale bootstrap, or lagged
+
     def cache_tensors(self) -> list[Tensor]:
         return [t for c in (self._w1, self._w2) if c is not None for t in (c.row, c.col)]
 
