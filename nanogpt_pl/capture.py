@@ -231,6 +231,15 @@ def close_failed_capture() -> None:
                       f"({type(err).__name__}: {err}); random ops on this device may fail")
 
 
+def _capture_stream(owner: Any) -> torch.cuda.Stream:
+    """The side stream ``owner`` captures on (``owner._stream``), with its graph memory pool
+    (``owner._pool``), both made at its first capture."""
+    if owner._stream is None:
+        owner._stream = torch.cuda.Stream()
+        owner._pool = torch.cuda.graph_pool_handle()
+    return owner._stream
+
+
 @dataclass
 class _Entry:
     visits: int = 0
@@ -401,10 +410,7 @@ class StepGraphs:
         """Second visit: eager run on the capture stream, capture, replay, compare; keep the eager result."""
         self.eager_runs += 1
         current = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool = torch.cuda.graph_pool_handle()
-        side = self._stream
+        side = _capture_stream(self)
         # what the step accumulated so far; a persistent buffer is copied (the capture reuses it)
         stash = [g.clone() if g is not None and g is self.grads.get(id(p)) else g
                  for p, g in ((p, p.grad) for p in self.params)]
@@ -592,10 +598,7 @@ class PullGraphs:
 
     def _capture(self, entry: _PullEntry, ids: Tensor, pull: Callable[[Tensor], Any]) -> Any:
         self.eager_runs += 1
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool = torch.cuda.graph_pool_handle()
-        side, current = self._stream, torch.cuda.current_stream()
+        side, current = _capture_stream(self), torch.cuda.current_stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):  # also warms the kernels on the capture stream
             eager = pull(ids)
@@ -685,7 +688,6 @@ class RefreshGraphs:
         if entry is None:
             entry = self.entries[key] = _RefreshEntry()
         entry.visits += 1
-        cuda = all(t.is_cuda for st in stale for t in st.refresh_writes())
         if entry.graph is not None:
             if self._addresses(stale) == entry.addresses:
                 with record_function("graphs/fp8_refresh_replay"):
@@ -697,10 +699,10 @@ class RefreshGraphs:
             warnings.warn("CUDA graphs: FP8 weights, scales or caches moved in memory; capturing the refresh again")
             self.entries.clear()
             entry = self.entries[key] = _RefreshEntry(visits=1)
-        if entry.eager_only or entry.visits < 2 or not cuda:
+        if entry.eager_only or entry.visits < 2 or not all(t.is_cuda for st in stale for t in st.refresh_writes()):
             self._eager(stale)
             return
-        self._capture(key, entry, stale)
+        self._capture(entry, stale)
 
     def _eager(self, stale: Sequence[Any]) -> None:
         self.eager_runs += 1
@@ -715,17 +717,14 @@ class RefreshGraphs:
             out += [r.build().data_ptr() for r in st._last_call[0]]
         return tuple(out)
 
-    def _capture(self, key: tuple, entry: _RefreshEntry, stale: Sequence[Any]) -> None:
+    def _capture(self, entry: _RefreshEntry, stale: Sequence[Any]) -> None:
         written = [t for st in stale for t in st.refresh_writes()]
         start = [t.clone() for t in written]
         hosts = [st.host_state() for st in stale]
         self._eager(stale)  # the result the step keeps
         done = [t.clone() for t in written]
         done_hosts = [st.host_state() for st in stale]
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool = torch.cuda.graph_pool_handle()
-        side, current = self._stream, torch.cuda.current_stream()
+        side, current = _capture_stream(self), torch.cuda.current_stream()
         graph = None
         same = False
         try:
@@ -794,7 +793,7 @@ class ModuleGraphs:
             st.hold_cache_addresses(True)
         # the refresh after each optimizer step (model.cuda_graphs_fp8_refresh), else eager
         self.refresh: Optional[RefreshGraphs] = (
-            RefreshGraphs(self.fp8_states) if getattr(module, "cuda_graphs_fp8_refresh", True) else None)
+            RefreshGraphs(self.fp8_states) if module.cuda_graphs_fp8_refresh else None)
         channels = module.sparse_channels
         self.pulls: Optional[PullGraphs] = (
             PullGraphs(fingerprint=channels.table_addresses) if channels is not None and channels.capturable else None)
