@@ -172,9 +172,8 @@ class Fp8State(nn.Module):
         if seen is not None and watch[0] is seen[0] and watch[1] is seen[1] and watch[2] == seen[2]:
             self.checks_skipped += 1
             return False
-        recipes, kern = self._last_call
-        key = tuple(weight_key(r.build()) for r in recipes)
-        if self.cache_tensors() and self._cache_kern == kern.name and keys_match(self._cache_key, key):
+        kern = self._last_call[1]
+        if self.cache_tensors() and self._cache_kern == kern.name and keys_match(self._cache_key, self._weights_key()):
             self._checked = watch
             return False
         return True
@@ -206,11 +205,14 @@ class Fp8State(nn.Module):
     def commit_refresh(self) -> None:
         """The host's side of a refresh whose device work ran as a graph replay: the cache key of
         the weights now, the refresh count and the check's record, as :meth:`refresh_now` leaves them."""
-        recipes, kern = self._last_call
-        self._cache_key = tuple(weight_key(r.build()) for r in recipes)
-        self._cache_kern = kern.name
+        self._cache_key = self._weights_key()
+        self._cache_kern = self._last_call[1].name
         self._refreshes += 1
         self._checked = self._watch()
+
+    def _weights_key(self) -> tuple:
+        """The cache key of the last call's weights as they are now (``weight_key`` of each)."""
+        return tuple(weight_key(r.build()) for r in self._last_call[0])
 
     def allow_refresh_in_capture(self, on: bool) -> None:
         """Let a refresh run inside a CUDA graph capture (the refresh graph's own capture)."""
