@@ -333,7 +333,7 @@ def lm_head_loss(
             PyTorch; any device), ``"triton"`` (the fused Triton kernel; CUDA, or the CPU
             interpreter with ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, chunked
             otherwise: on a CPU the chunked path's cache-sized chunks ran the quickstart's step
-            1.26x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
+            1.12x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
         head: how the fused path runs its GEMMs (:class:`HeadMatmul`); default
             :class:`TorchHeadMatmul`. The reference backend ignores it.
         chunk_rows: rows per chunk of the fused path; default :func:`default_chunk_rows`.
