@@ -72,6 +72,7 @@ from ..backends import resolve_opt_in
 from ..capture import close_failed_capture
 from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
+from .staging import ScalarStager
 
 # RECORD.md §8 "Hyperparameters" [L360@186k] and "Per-matrix update" steps 1, 4, 5.
 ANVIL_LR = 0.023
@@ -202,42 +203,6 @@ class _Fused:
             return self.fn(*args)
         self.proven.add(key)
         return out
-
-
-class _ScalarStager:
-    """Ships the per-step scalars of every group to the device in one copy, without a host sync.
-
-    On CUDA the values go through a small ring of pinned host buffers; a slot is refilled
-    only after the copy that last read it has run (its event).
-    """
-
-    _SLOTS = 4
-
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.device = device
-        self.dev = torch.zeros(rows, _N_SCALARS, dtype=torch.float32, device=device)
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.host = [torch.zeros(rows, _N_SCALARS, dtype=torch.float32, pin_memory=True)
-                         for _ in range(self._SLOTS)]
-            self.events: list[Optional[torch.cuda.Event]] = [None] * self._SLOTS
-            self.slot = 0
-
-    def push(self, values: list[list[float]]) -> Tensor:
-        src = torch.tensor(values, dtype=torch.float32)
-        if not self.cuda:
-            self.dev.copy_(src)
-            return self.dev
-        i = self.slot
-        self.slot = (i + 1) % self._SLOTS
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        self.host[i].copy_(src)
-        self.dev.copy_(self.host[i], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.events[i] = ev
-        return self.dev
 
 
 @dataclass
@@ -385,7 +350,7 @@ class Anvil(torch.optim.Optimizer):
         use_compile = False if compile is None else bool(compile)
         self._rails_fn = _Fused(rails_lookahead, use_compile)
         self._finish_fn = _Fused(finish_update, use_compile)
-        self._scalars = _ScalarStager(len(self.param_groups), self.device)
+        self._scalars = ScalarStager(len(self.param_groups), _N_SCALARS, self.device)
         on_cuda = self.device.type == "cuda"
         if cuda_graph and not on_cuda:
             warnings.warn("Anvil: cuda_graph=True has no effect on CPU parameters")
@@ -407,7 +372,7 @@ class Anvil(torch.optim.Optimizer):
                 seen.add(id(p))
         if self._ready:  # set before Optimizer.__init__ adds the first groups
             self._check_params()
-            self._scalars = _ScalarStager(len(self.param_groups), self.device)
+            self._scalars = ScalarStager(len(self.param_groups), _N_SCALARS, self.device)
             for bank in self._banks:  # their graphs read the old scalar buffer
                 bank.graph, bank.graph_key = None, None
             self._build_banks(len(self.param_groups) - 1)
