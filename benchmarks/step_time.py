@@ -441,16 +441,18 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
 
 def _graph_counts(module) -> dict:
     """Replays, eager micro-batches and captured keys of the module's CUDA graphs so far (zeros without)."""
+    adam = [part.graphs for part in module._combined().parts.values() if getattr(part, "graphs", None) is not None]
+    counts = {"adam_replays": sum(a.replays for a in adam), "adam_eager": sum(a.eager_runs for a in adam)}
     graphs = getattr(module, "_graphs", None)
     if graphs is None:
         return {"replays": 0, "eager": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0, "refresh_replays": 0,
-                "refresh_eager": 0}
+                "refresh_eager": 0, **counts}
     g, pulls, refresh = graphs.graphs, graphs.pulls, graphs.refresh
     return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys()),
             "pull_replays": pulls.replays if pulls is not None else 0,
             "pull_eager": pulls.eager_runs if pulls is not None else 0,
             "refresh_replays": refresh.replays if refresh is not None else 0,
-            "refresh_eager": refresh.eager_runs if refresh is not None else 0}
+            "refresh_eager": refresh.eager_runs if refresh is not None else 0, **counts}
 
 
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
@@ -547,9 +549,10 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                                           if module._graphs.refresh is not None else "eager"))
         graphs += (f"; in the timed steps: {timed['replays']} replayed, {timed['eager']} eager, "
                    f"{timed['keys']} keys captured, {timed['pull_replays']} pulls replayed, {timed['pull_eager']} "
-                   f"eager, {timed['refresh_replays']} FP8 refreshes replayed, {timed['refresh_eager']} eager"
+                   f"eager, {timed['refresh_replays']} FP8 refreshes replayed, {timed['refresh_eager']} eager, "
+                   f"{timed['adam_replays']} Adam updates replayed, {timed['adam_eager']} eager"
                    + (" (captures on the clock: raise --warmup)" if timed["eager"] or timed["keys"]
-                      or timed["pull_eager"] or timed["refresh_eager"] else ""))
+                      or timed["pull_eager"] or timed["refresh_eager"] or timed["adam_eager"] else ""))
     return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
 
 

@@ -81,6 +81,9 @@ class OptimConfig:
         matrix_weight_decay: decay of the hidden matrices (ANVIL: 2.25, RECORD §8).
         anvil_cuda_graph: on a GPU, ANVIL replays each bank's update from a CUDA graph (one
             launch instead of ~70 per bank; same arithmetic, bit for bit); False runs it eagerly.
+        adam_cuda_graph: on a GPU, the dense Adam update of the replicated parameters replays from
+            a CUDA graph per layout (RECORD §11's optimizer tail; each graph checked bit for bit
+            against the eager update when captured); False runs it eagerly.
         adam_lr: base lr of the Adam families (RECORD §8: 0.008).
         adam_eps: Adam's epsilon (RECORD §8: 1e-10).
         adam_weight_decay: decay per unit lr of the Adam families, times each family's wd_mul.
@@ -119,6 +122,7 @@ class OptimConfig:
     matrix_betas: tuple[float, float] = (0.9, 0.95)
     matrix_weight_decay: float = 2.25
     anvil_cuda_graph: bool = True
+    adam_cuda_graph: bool = True
     adam_lr: float = 0.008
     adam_eps: float = 1e-10
     adam_weight_decay: float = 0.005
@@ -329,7 +333,8 @@ class SpeedrunModule(L.LightningModule):
         if device.type == "cuda":
             return
         cfg = self.gpt_config
-        # (model.optim.anvil_cuda_graph only applies on CUDA: elsewhere ANVIL runs eagerly, as documented)
+        # (model.optim.anvil_cuda_graph and adam_cuda_graph only apply on CUDA: elsewhere the update runs
+        # eagerly, as documented)
         gpu_only = ["--model.compile false"] if self.compile else []
         if self.backends.fp8 == "auto":
             gpu_only += [f"--model.gpt.{k} false" for k in ("fp8_mlp", "fp8_head", "fp8_qkv") if getattr(cfg, k)]
@@ -375,7 +380,8 @@ class SpeedrunModule(L.LightningModule):
         else:
             parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,
-                                         process_group=pg, update_backend=self.backends.adam)
+                                         process_group=pg, update_backend=self.backends.adam,
+                                         cuda_graph=None if o.adam_cuda_graph else False)
         sparse = self.sparse_channels.channels() if self.sparse_channels is not None else {}
         groups = []
         for name, params in adam_families(self.model).items():
@@ -385,7 +391,7 @@ class SpeedrunModule(L.LightningModule):
                                    wd_mul=g.wd_mul, sharded=o.shard_embeddings and name in ("embed", "lm_head")))
         parts["adam"] = DistAdam(groups, lr=o.adam_lr, eps=o.adam_eps, weight_decay=o.adam_weight_decay,
                                  cautious_wd=o.cautious_wd, process_group=pg, decay_lr_power=o.adam_decay_lr_power,
-                                 update_backend=self.backends.adam)
+                                 update_backend=self.backends.adam, cuda_graph=None if o.adam_cuda_graph else False)
         if sparse:
             settings = {name: dict(lr_mul=g.lr_mul, betas=tuple(g.betas), wd_mul=g.wd_mul)
                         for name, g in (("ngram", o.ngram), ("value_embeds", o.value_embeds))}

@@ -133,9 +133,10 @@ def test_rejects_bad_power_and_foreign_shard() -> None:
 
 
 def check_grouped(device: str, cautious: bool, power: int) -> None:
-    """``_update_many`` (a group's parameters as ``torch._foreach_*`` calls) against ``_update``
-    on each parameter in turn: bit for bit, over bf16 and fp32 parameters, a group without decay,
-    and a parameter that skips a step (its own step count, so its own bucket)."""
+    """``_foreach_update`` (the replicated parameters as ``torch._foreach_*`` calls reading staged
+    scalars) against ``_update`` on each parameter in turn: bit for bit, over bf16 and fp32
+    parameters, a group without decay, a changing lr, and a parameter that skips a step (its own
+    step count, so its own bucket)."""
     seed = fresh_seed()
 
     def on(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -150,8 +151,12 @@ def check_grouped(device: str, cautious: bool, power: int) -> None:
 
     grouped, ps = build()
     single, qs = build()
-    single._update_many = lambda group, params: [single._update(p, p.grad, group) for p in params]
+    single._update_replicated = lambda replicated: [single._update(p, p.grad, g) for g, ps in replicated for p in ps]
+    assert grouped.graphs is None  # eager here; the CUDA graph form is test_capture_gpu.py's
     for step in range(4):
+        for opt in (grouped, single):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * (1.0 - 0.15 * step)
         for params in (ps, qs):
             g = torch.Generator().manual_seed(10_000 + 97 * seed + step)
             for q in params:
@@ -178,3 +183,24 @@ def test_grouped_update_equals_the_per_parameter_formula(cautious: bool, power: 
 @pytest.mark.parametrize("cautious,power", [(False, 1), (True, 2)])
 def test_grouped_update_equals_the_per_parameter_formula_on_the_gpu(cautious: bool, power: int) -> None:
     check_grouped("cuda", cautious, power)  # torch's multi-tensor kernels against its single-tensor ones
+
+
+def test_the_cuda_graph_option_on_cpu_parameters_warns_and_the_update_runs_eagerly() -> None:
+    with pytest.warns(UserWarning, match="cuda_graph=True has no effect on CPU parameters"):
+        opt = DistAdam(make(0), cuda_graph=True)
+    assert opt.graphs is None
+    assert DistAdam(make(0)).graphs is None  # the default is on for CUDA parameters only
+
+
+def test_staged_scalars_keep_their_buffer_and_refuse_another_shape() -> None:
+    from nanogpt_pl.optim.staging import ScalarStager
+
+    seed = fresh_seed()
+    values = torch.rand(3, 4, generator=torch.Generator().manual_seed(seed)).tolist()
+    stager = ScalarStager(3, 4, torch.device("cpu"))
+    first = stager.push(values)
+    again = stager.push([[v * 2 for v in row] for row in values])
+    assert first.data_ptr() == again.data_ptr()
+    assert torch.equal(again, torch.tensor(values, dtype=torch.float32) * 2)
+    with pytest.raises(ValueError, match=r"values of shape \(2, 4\), holds \(3, 4\)"):
+        stager.push(values[:2])

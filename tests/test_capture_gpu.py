@@ -204,7 +204,8 @@ def test_a_captured_step_makes_no_host_sync():
     batch = step_batch(module, 2, 30, 2, SEQ)  # step 2's micro-batches again: the key captured above
     module.apply_schedule(3)
     graphs = module._step_graphs()
-    replays, pulls = graphs.graphs.replays, graphs.pulls.replays
+    adam = module._combined().parts["adam"].graphs
+    replays, pulls, adam_replays = graphs.graphs.replays, graphs.pulls.replays, adam.replays
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -212,7 +213,65 @@ def test_a_captured_step_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert graphs.graphs.replays == replays + 2 and graphs.pulls.replays == pulls + 2
+    assert adam.replays == adam_replays + 1
     assert bool(torch.isfinite(loss))
+
+
+def test_the_adam_update_replays_what_eager_adam_computes():
+    """RECORD §11's optimizer tail: DistAdam's replicated update from its CUDA graphs writes the same
+    bytes into every parameter and moment as the same update run eagerly, over steps with a changing
+    lr, bf16 and fp32 parameters, cautious decay with the record's squared lr and a group without
+    decay. A parameter that skips a step gets its own step count, so its own bucket: a new layout,
+    captured in its turn. Replays bump the parameters' version counters (the FP8 caches' signal)."""
+    from nanogpt_pl.optim.adam import DistAdam
+
+    seed = fresh_seed()
+    shapes = [(384, 256), (256,), (), (1000, 64), (50, 3)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    start = [(torch.randn(s, generator=gen, device="cuda") * 0.1).to(d) for s, d in zip(shapes, dtypes)]
+
+    def build(graph: bool):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        for p in ps:  # persistent gradient buffers, as the step graphs keep them
+            p.grad = torch.zeros_like(p)
+        groups = [dict(params=ps[:3], lr_mul=5.0, wd_mul=150.0),
+                  dict(params=ps[3:], weight_decay=0.0, betas=(0.8, 0.99))]
+        return DistAdam(groups, lr=0.008, betas=(0.5, 0.95), eps=1e-10, weight_decay=0.005, cautious_wd=True,
+                        decay_lr_power=2, cuda_graph=graph), ps
+
+    graphed, ps = build(True)
+    eager, qs = build(False)
+    assert graphed.graphs is not None and eager.graphs is None
+    buffers = {id(p): p.grad for p in ps + qs}
+    for step in range(9):
+        for opt in (graphed, eager):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * (1.0 - 0.08 * step)
+        new = [torch.randn(s, generator=gen, device="cuda").to(d) for s, d in zip(shapes, dtypes)]
+        for params in (ps, qs):
+            for p, g in zip(params, new):
+                p.grad = buffers[id(p)]
+                p.grad.copy_(g)
+            if step == 3:
+                params[4].grad = None  # skips this step: its own bucket from here on
+        versions = [p._version for p in ps]
+        replays = graphed.graphs.replays
+        graphed.step()
+        eager.step()
+        torch.cuda.synchronize()
+        for p, q in zip(ps, qs):
+            assert torch.equal(p.reshape(-1).view(torch.uint8), q.reshape(-1).view(torch.uint8)), (seed, step)
+            for name in ("exp_avg", "exp_avg_sq"):
+                a, b = graphed.state[p][name], eager.state[q][name]
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (seed, step, name)
+        assert all(p._version > v for i, (p, v) in enumerate(zip(ps, versions)) if step != 3 or i != 4), step
+        # layout A: eager at step 0, captured at 1, replayed at 2; step 3 is a layout of its own;
+        # layout B (split buckets): eager at 4, captured at 5, replayed from 6 on
+        assert graphed.graphs.replays == replays + (step in (2, 6, 7, 8)), step
+    assert graphed.graphs.captured() == 2
+    assert graphed.state[ps[4]]["step"] == 8 and graphed.state[ps[0]]["step"] == 9
+    assert not torch.equal(ps[0], start[0])
 
 
 def _tensors(out) -> list:

@@ -22,9 +22,19 @@ per step: power 1 is ordinary decoupled decay (AdamW), power 2 is the record's
 shrinks coordinates whose update points the same way as the weight (sign-aligned decay).
 
 The update itself is either the PyTorch reference (:meth:`DistAdam._update`, about a dozen
-passes a parameter; a group's replicated parameters take them together as ``torch._foreach_*``
-calls, :meth:`DistAdam._update_many`) or one Triton pass a parameter (``update_backend="triton"``,
-``nanogpt_pl.ops.triton.adam_update``) with the same arithmetic.
+passes a parameter; the replicated parameters take them together as ``torch._foreach_*``
+calls, :meth:`DistAdam._foreach_update`) or one Triton pass a parameter
+(``update_backend="triton"``, ``nanogpt_pl.ops.triton.adam_update``) with the same arithmetic.
+The bias corrections are applied as products with their reciprocals, so the per-parameter and
+the multi-tensor forms are the same arithmetic bit for bit.
+
+On a GPU the replicated parameters' multi-tensor update is replayed from a CUDA graph
+(``cuda_graph``; RECORD §11's optimizer-tail graphs): the step's learning rates, decays and bias
+corrections reach it through a device buffer (:class:`~nanogpt_pl.optim.staging.ScalarStager`),
+so the schedule needs no recapture. A layout's first step runs eagerly, the second eagerly and
+then captures, replays from the same starting values and keeps the graph only if it wrote the
+eager step's bytes; later steps replay. A layout is every address the update reads or writes
+(parameters, gradients, moments), so a moved buffer is a new layout, never a stale replay.
 
 Moments are fp32 whatever the parameter dtype. Checkpoints: replicated state is the same
 on every rank. Sharded state is this rank's rows; :meth:`DistAdam.consolidate_state_dict`
@@ -34,18 +44,26 @@ on rank ``to`` hold full rows, which load on any world size.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.graph import increment_version
+from torch.profiler import record_function
 
 from ..backends import resolve_opt_in
+from ..capture import _bytes_equal, _capture_stream, close_failed_capture
+from .staging import ScalarStager
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# the columns of a bucket's row of staged scalars (see DistAdam._bucket_scalars)
+_LR, _DECAY, _INV_BC1, _INV_BC2 = range(4)
 
 
 def resolve_update_backend(backend: str, device: torch.device) -> str:
@@ -95,6 +113,97 @@ def row_range(rows: int, world: int, rank: int) -> tuple[int, int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows), per
 
 
+@dataclass
+class _UpdateEntry:
+    visits: int = 0
+    graph: Any = None
+    eager_only: bool = False
+
+
+class UpdateGraphs:
+    """An optimizer update as CUDA graph replays, one graph per layout key.
+
+    ``run(key, work, written, params)``: ``work`` updates ``written`` in place (parameters and
+    their state) from values it reads at addresses ``key`` pins.
+
+    - A key's first visit runs ``work`` eagerly.
+    - The second runs it eagerly (the step keeps that result), restores ``written`` to its
+      values before the step, captures ``work`` on a side stream, replays it and compares all of
+      ``written`` with the eager bytes. A difference or an exception is one warning and eager
+      runs for that key from then on; the eager result stands either way.
+    - Later visits replay. A replay runs no ATen operation, so it bumps the version counters of
+      ``params`` itself (the FP8 weight caches see a changed weight by its counter).
+
+    At most :attr:`MAX_KEYS` keys are kept (a new one past that drops them all): without
+    persistent gradient buffers the gradients' addresses, part of the key, may keep changing.
+    """
+
+    MAX_KEYS = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, _UpdateEntry] = {}
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._pool = None
+        self.replays = 0
+        self.eager_runs = 0
+
+    def captured(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+    def run(self, key: tuple, work: Callable[[], None], written: list[Tensor], params: list[Tensor]) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            if len(self.entries) >= self.MAX_KEYS:
+                self.entries.clear()
+            entry = self.entries[key] = _UpdateEntry()
+        entry.visits += 1
+        if entry.graph is not None:
+            with record_function("graphs/adam_replay"):
+                entry.graph.replay()
+            increment_version(params)
+            self.replays += 1
+            return
+        if entry.eager_only or entry.visits < 2:
+            self.eager_runs += 1
+            work()
+            return
+        self._capture(entry, work, written)
+
+    def _capture(self, entry: _UpdateEntry, work: Callable[[], None], written: list[Tensor]) -> None:
+        start = [t.clone() for t in written]
+        self.eager_runs += 1
+        work()  # the result the step keeps
+        done = [t.clone() for t in written]
+        side, current = _capture_stream(self), torch.cuda.current_stream()
+        graph = None
+        same = False
+        try:
+            for t, v in zip(written, start):
+                t.copy_(v)
+            del start
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(current)
+            # thread_local: the data loader's prefetch thread may pin memory meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                work()
+            graph.replay()
+            same = all(_bytes_equal(t, v) for t, v in zip(written, done))
+        except Exception as err:  # pragma: no cover - depends on the GPU toolchain
+            warnings.warn(f"CUDA graphs: capturing the Adam update of {len(written)} tensors failed "
+                          f"({type(err).__name__}: {err}); it runs eagerly")
+            close_failed_capture()
+            graph = None
+        if graph is not None and same:
+            entry.graph = graph
+            return
+        if graph is not None:
+            warnings.warn(f"CUDA graphs: the replayed Adam update of {len(written)} tensors differs from the "
+                          "eager one; it runs eagerly")
+        entry.eager_only = True
+        for t, v in zip(written, done):  # leave the eager update's result
+            t.copy_(v)
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam with decoupled weight decay over replicated or row-sharded parameters.
 
@@ -114,6 +223,9 @@ class DistAdam(torch.optim.Optimizer):
         update_backend: the update of each parameter: ``reference`` (PyTorch), ``triton`` (one
             pass a parameter) or ``auto`` (see :func:`resolve_update_backend`), resolved on the
             device of the first parameter.
+        cuda_graph: replay the replicated parameters' update (the ``reference`` backend's
+            multi-tensor form) from CUDA graphs, one per layout (see the module docstring).
+            None = on for CUDA parameters; CPU parameters and the ``triton`` backend run eagerly.
     """
 
     def __init__(
@@ -128,6 +240,7 @@ class DistAdam(torch.optim.Optimizer):
         decay_lr_power: int = 1,
         sharded: bool = False,
         update_backend: str = "auto",
+        cuda_graph: Optional[bool] = None,
     ) -> None:
         if decay_lr_power not in (1, 2):
             raise ValueError(f"decay_lr_power must be 1 (AdamW) or 2 (the record's Adam groups), got {decay_lr_power}")
@@ -142,6 +255,13 @@ class DistAdam(torch.optim.Optimizer):
         device = first.device if first is not None else torch.device("cpu")
         self.update_backend = resolve_update_backend(update_backend, device)
         self._consolidated: Optional[dict[Tensor, dict]] = None
+        self.device = device
+        on_cuda = device.type == "cuda"
+        if cuda_graph and not on_cuda:
+            warnings.warn("DistAdam: cuda_graph=True has no effect on CPU parameters")
+        wanted = on_cuda and (cuda_graph is None or bool(cuda_graph)) and self.update_backend == "reference"
+        self.graphs: Optional[UpdateGraphs] = UpdateGraphs() if wanted else None
+        self._stagers: dict[int, ScalarStager] = {}  # by bucket count: a layout keeps its buffer's address
 
     # -- the step ----------------------------------------------------------------------
     def _is_sharded(self, group: dict, world: int) -> bool:
@@ -181,8 +301,7 @@ class DistAdam(torch.optim.Optimizer):
         replicated = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups
                       if not self._is_sharded(g, world)]
         all_reduce_mean_([p.grad for _, params in replicated for p in params], pg)
-        for group, params in replicated:
-            self._update_many(group, params)
+        self._update_replicated([(g, ps) for g, ps in replicated if ps])
 
         # 3. sharded parameters: own rows, then all-gather
         gathers = []
@@ -219,41 +338,86 @@ class DistAdam(torch.optim.Optimizer):
         state["step"] += 1
         return state
 
-    def _update_many(self, group: dict, params: list[Tensor]) -> None:
-        """:meth:`_update` of a group's replicated parameters. The reference runs the same
-        arithmetic, operation for operation, as ``torch._foreach_*`` calls over the parameters
-        that share a step count: about fifteen launches a group instead of a dozen a parameter
-        (the host issues every one of them, and a short step waits on the host)."""
-        if self.update_backend == "triton":
-            for p in params:
-                self._update(p, p.grad, group)
-            return
+    def _bucket_scalars(self, group: dict, t: int) -> list[float]:
+        """A bucket's staged scalars: lr, decay, and the reciprocals of the bias corrections at step ``t``."""
         beta1, beta2 = group["betas"]
         lr, decay = self._rates(group)
-        buckets: dict[int, list[Tensor]] = {}
-        for p in params:
-            buckets.setdefault(self._state(p, p)["step"], []).append(p)
-        for t, ps in buckets.items():
+        return [lr, decay, 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)]
+
+    @staticmethod
+    def _decays(group: dict) -> bool:
+        """Whether the group decays at all (its lr-dependent size is a staged scalar)."""
+        return group["weight_decay"] * group["wd_mul"] != 0
+
+    def _update_replicated(self, replicated: list[tuple[dict, list[Tensor]]]) -> None:
+        """The update of every replicated parameter with a gradient: one Triton pass a parameter,
+        or the multi-tensor form by step-count bucket, eagerly or from a CUDA graph."""
+        if self.update_backend == "triton":
+            for group, params in replicated:
+                for p in params:
+                    self._update(p, p.grad, group)
+            return
+        plan: list[tuple[dict, list[Tensor], int]] = []
+        for group, params in replicated:
+            buckets: dict[int, list[Tensor]] = {}
+            for p in params:
+                buckets.setdefault(self._state(p, p)["step"], []).append(p)
+            plan += [(group, ps, t) for t, ps in buckets.items()]
+        if not plan:
+            return
+        stager = self._stagers.get(len(plan))
+        if stager is None:
+            stager = self._stagers[len(plan)] = ScalarStager(len(plan), 4, self.device)
+        scalars = stager.push([self._bucket_scalars(group, t) for group, _, t in plan])
+        if self.graphs is None:
+            self._foreach_update(plan, scalars)
+            return
+        key = [scalars.data_ptr()]
+        params, written = [], []
+        for group, ps, _ in plan:
+            key.append((group["betas"], group["eps"], group["cautious_wd"], self._decays(group)))
+            for p in ps:
+                st = self.state[p]
+                key += (p.data_ptr(), p.grad.data_ptr(), p.grad.dtype, st["exp_avg"].data_ptr(),
+                        st["exp_avg_sq"].data_ptr())
+                params.append(p)
+                written += (p, st["exp_avg"], st["exp_avg_sq"])
+        self.graphs.run(tuple(key), lambda: self._foreach_update(plan, scalars), written, params)
+
+    def _foreach_update(self, plan: list[tuple[dict, list[Tensor], int]], scalars: Tensor) -> None:
+        """:meth:`_update`'s arithmetic, operation for operation, as ``torch._foreach_*`` calls over
+        each bucket (a group's parameters that share a step count), reading the step's scalars
+        from ``scalars`` (row per bucket: :meth:`_bucket_scalars`): about fifteen launches a
+        bucket instead of a dozen a parameter, and no Python number that changes between steps,
+        so the same calls replay from a CUDA graph."""
+        for i, (group, ps, _) in enumerate(plan):
+            beta1, beta2 = group["betas"]
+            s = scalars[i]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
             gs = [p.grad.float() for p in ps]
             torch._foreach_lerp_(ms, gs, 1 - beta1)
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
-            denom = torch._foreach_div(vs, 1 - beta2**t)
+            del gs
+            denom = torch._foreach_mul(vs, s[_INV_BC2])
             torch._foreach_sqrt_(denom)
             torch._foreach_add_(denom, group["eps"])
-            update = torch._foreach_div(ms, 1 - beta1**t)
+            update = torch._foreach_mul(ms, s[_INV_BC1])
             torch._foreach_div_(update, denom)
-            torch._foreach_mul_(update, lr)
+            del denom
+            torch._foreach_mul_(update, s[_LR])
             p32 = [p.float() for p in ps]
-            if decay:
+            if self._decays(group):
+                wd = torch._foreach_mul(p32, s[_DECAY])
                 if group["cautious_wd"]:
-                    signs = [(u * w > 0).to(u.dtype) for u, w in zip(update, p32)]
-                    torch._foreach_addcmul_(update, p32, signs, value=decay)
-                else:
-                    torch._foreach_add_(update, p32, alpha=decay)
-            torch._foreach_copy_(ps, torch._foreach_sub(p32, update))
+                    torch._foreach_mul_(wd, [(u * w > 0).to(u.dtype) for u, w in zip(update, p32)])
+                torch._foreach_add_(update, wd)
+                del wd
+            torch._foreach_sub_(p32, update)  # in place on an fp32 parameter itself
+            pairs = [(p, q) for p, q in zip(ps, p32) if q is not p]
+            if pairs:
+                torch._foreach_copy_([p for p, _ in pairs], [q for _, q in pairs])
 
     def _update(self, target: Tensor, grad: Tensor, group: dict, param: Optional[Tensor] = None,
                 rows: Optional[tuple[int, int]] = None) -> None:
@@ -273,14 +437,14 @@ class DistAdam(torch.optim.Optimizer):
         g = grad.float()
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        update = (m / (1 - beta1**t)).div_(denom).mul_(lr)
+        denom = (v * (1.0 / (1.0 - beta2**t))).sqrt_().add_(group["eps"])
+        update = (m * (1.0 / (1.0 - beta1**t))).div_(denom).mul_(lr)
         p32 = target.float()
-        if decay:
+        if self._decays(group):
+            wd = p32 * decay
             if group["cautious_wd"]:
-                update.addcmul_(p32, (update * p32 > 0).to(update.dtype), value=decay)
-            else:
-                update.add_(p32, alpha=decay)
+                wd.mul_((update * p32 > 0).to(update.dtype))
+            update.add_(wd)
         target.copy_(p32 - update)
 
     # -- checkpoints -------------------------------------------------------------------
