@@ -6,9 +6,10 @@ This script builds the record network (``configs/speedrun_1gpu.yaml``, a small n
 fits a CPU) and measures, in one run, each part against its baseline:
 
 - **optimizer step**: ATen operations dispatched by one ``step()`` of the combined optimizer, with
-  the dense Adam groups updated as ``torch._foreach_*`` calls (``DistAdam._update_many``, the
-  default) against the same optimizer with every parameter updated alone (``DistAdam._update`` in
-  turn, the baseline), from the same state and gradients;
+  the dense Adam groups updated as ``torch._foreach_*`` calls (``DistAdam._foreach_update``, the
+  default, eager here as on a GPU with ``model.optim.adam_cuda_graph: false``) against the same
+  optimizer with every parameter updated alone (``DistAdam._update`` in turn, the baseline), from
+  the same state and gradients;
 - **FP8 staleness checks**: host time of ``Fp8State.refresh_cache`` over every FP8 layer when no
   weight changed (skipped) against the full check it skips (the baseline), median of repeats;
 - **sparse pull**: ATen operations of one micro-batch's ``SparseChannels.inputs`` with the fixed
@@ -66,23 +67,27 @@ def build():
     return module
 
 
-def optimizer_ops(module, per_parameter: bool) -> int:
+def optimizer_ops(module, per_parameter: bool) -> tuple[int, dict[str, int]]:
+    """ATen operations of the combined optimizer's second ``step()``, in all and by part."""
     opt = module.configure_optimizers()
     module.use_plain_optimizer(opt)
     module.apply_schedule(0)  # the stage's learning rates on this optimizer
     if per_parameter:
+        assert hasattr(DistAdam, "_update_replicated"), "DistAdam's replicated update was renamed: patch the new name"
         for part in opt.parts.values():
             if isinstance(part, DistAdam):
-                part._update_many = lambda group, params, part=part: [part._update(p, p.grad, group) for p in params]
+                part._update_replicated = lambda replicated, part=part: [
+                    part._update(p, p.grad, group) for group, params in replicated for p in params]
     gen = torch.Generator().manual_seed(0)
-    counts = []
-    for _ in range(2):  # the second step: the state exists
+    parts: dict[str, int] = {}
+    for _ in range(2):  # the second step counts: the state exists
         for p in module.model.parameters():
             p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(p.dtype)
-        with CountOps() as c:
-            opt.step()
-        counts.append(c.total)
-    return counts[-1]
+        for name, part in opt.parts.items():  # what CombinedOptimizer.step does, part by part
+            with CountOps() as c:
+                part.step()
+            parts[name] = c.total
+    return sum(parts.values()), parts
 
 
 def fp8_check_ms(module, repeats: int = 30) -> tuple[float, float]:
@@ -115,9 +120,9 @@ def main() -> None:
     torch.manual_seed(0)
     module = build()
     start = copy.deepcopy(module.model.state_dict())
-    grouped = optimizer_ops(module, per_parameter=False)
+    grouped, by_part = optimizer_ops(module, per_parameter=False)
     module.model.load_state_dict(start)
-    single = optimizer_ops(module, per_parameter=True)
+    single, _ = optimizer_ops(module, per_parameter=True)
     skipped, full = fp8_check_ms(module)
     ids = torch.randint(0, 50_257, (16_384,))
     with CountOps() as pull:
@@ -125,7 +130,8 @@ def main() -> None:
     print(f"record network (configs/speedrun_1gpu.yaml, stage 0, {NGRAM_ROWS:,} n-gram rows), CPU, "
           f"torch {torch.__version__}")
     print(f"optimizer step, ATen operations: {grouped:,} with grouped Adam, {single:,} with one update a "
-          f"parameter (baseline): {single / grouped:.2f}x fewer")
+          f"parameter (baseline): {single / grouped:.2f}x fewer; by part (eager forms, as on this CPU): "
+          + ", ".join(f"{k} {v:,}" for k, v in by_part.items()))
     print(f"FP8 staleness checks, all layers, host ms: {skipped:.3f} skipped, {full:.3f} full (baseline): "
           f"{full / skipped:.1f}x less")
     print(f"sparse pull of one 16,384-token micro-batch, ATen operations: {pull.total:,} "
