@@ -370,7 +370,7 @@ class DistAdam(torch.optim.Optimizer):
             stager = self._stagers[len(plan)] = ScalarStager(len(plan), 4, self.device)
         scalars = stager.push([self._bucket_scalars(group, t) for group, _, t in plan])
         if self.graphs is None:
-            self._foreach_update(plan, scalars)
+            self._foreach_update(plan, stager.cells)
             return
         key = [scalars.data_ptr()]
         params, written = [], []
@@ -382,17 +382,17 @@ class DistAdam(torch.optim.Optimizer):
                         st["exp_avg_sq"].data_ptr())
                 params.append(p)
                 written += (p, st["exp_avg"], st["exp_avg_sq"])
-        self.graphs.run(tuple(key), lambda: self._foreach_update(plan, scalars), written, params)
+        self.graphs.run(tuple(key), lambda: self._foreach_update(plan, stager.cells), written, params)
 
-    def _foreach_update(self, plan: list[tuple[dict, list[Tensor], int]], scalars: Tensor) -> None:
+    def _foreach_update(self, plan: list[tuple[dict, list[Tensor], int]], cells: list[list[Tensor]]) -> None:
         """:meth:`_update`'s arithmetic, operation for operation, as ``torch._foreach_*`` calls over
         each bucket (a group's parameters that share a step count), reading the step's scalars
-        from ``scalars`` (row per bucket: :meth:`_bucket_scalars`): about fifteen launches a
-        bucket instead of a dozen a parameter, and no Python number that changes between steps,
-        so the same calls replay from a CUDA graph."""
+        from ``cells`` (the staged buffer's 0-d views, a row per bucket: :meth:`_bucket_scalars`):
+        about fifteen launches a bucket instead of a dozen a parameter, and no Python number that
+        changes between steps, so the same calls replay from a CUDA graph."""
         for i, (group, ps, _) in enumerate(plan):
             beta1, beta2 = group["betas"]
-            s = scalars[i]
+            s = cells[i]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
             gs = [p.grad.float() for p in ps]

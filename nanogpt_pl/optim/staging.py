@@ -29,6 +29,7 @@ class ScalarStager:
         self.device = torch.device(device)
         self.shape = (rows, columns)
         self.dev = torch.zeros(rows, columns, dtype=torch.float32, device=self.device)
+        self.cells = [list(row.unbind()) for row in self.dev]  # 0-d views, made once: no per-step ops
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self.host = [torch.zeros(rows, columns, dtype=torch.float32, pin_memory=True) for _ in range(self.SLOTS)]
