@@ -274,6 +274,36 @@ def test_the_adam_update_replays_what_eager_adam_computes():
     assert not torch.equal(ps[0], start[0])
 
 
+def test_adam_graphs_that_never_replay_give_up_with_one_warning():
+    """Layouts that come back once and never again (gradients at new addresses each time) would
+    capture without end: after UpdateGraphs.GIVE_UP_CAPTURES such captures it warns once and runs
+    the update eagerly, with the same result."""
+    from nanogpt_pl.optim.adam import UpdateGraphs
+
+    seed = fresh_seed()
+    x = torch.randn(1000, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+    graphs = UpdateGraphs()
+
+    def work():
+        x.mul_(0.5).add_(1.0)
+
+    want = x.clone()
+    for key in range(UpdateGraphs.GIVE_UP_CAPTURES):
+        for _ in range(2):  # eager, then captured (and never replayed: the next key differs)
+            graphs.run((key,), work, [x], [])
+            want.mul_(0.5).add_(1.0)
+    assert graphs.captures == UpdateGraphs.GIVE_UP_CAPTURES and graphs.replays == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            graphs.run((-1,), work, [x], [])
+            want.mul_(0.5).add_(1.0)
+    assert not graphs.enabled and graphs.captures == UpdateGraphs.GIVE_UP_CAPTURES
+    assert [str(w.message) for w in caught if "runs eagerly from now on" in str(w.message)] != []
+    assert len(caught) == 1
+    assert torch.equal(x, want)
+
+
 def _tensors(out) -> list:
     return [(name, t.detach().clone(), t.requires_grad) for name, t in _flatten(out) if isinstance(t, torch.Tensor)]
 

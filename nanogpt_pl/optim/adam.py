@@ -136,9 +136,12 @@ class UpdateGraphs:
 
     At most :attr:`MAX_KEYS` keys are kept (a new one past that drops them all): without
     persistent gradient buffers the gradients' addresses, part of the key, may keep changing.
+    If :attr:`GIVE_UP_CAPTURES` captures have paid back fewer replays than that, the layouts
+    are not repeating: one warning, and eager updates from then on.
     """
 
     MAX_KEYS = 8
+    GIVE_UP_CAPTURES = 16
 
     def __init__(self) -> None:
         self.entries: dict[tuple, _UpdateEntry] = {}
@@ -146,11 +149,17 @@ class UpdateGraphs:
         self._pool = None
         self.replays = 0
         self.eager_runs = 0
+        self.captures = 0
+        self.enabled = True
 
     def captured(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
 
     def run(self, key: tuple, work: Callable[[], None], written: list[Tensor], params: list[Tensor]) -> None:
+        if not self.enabled:
+            self.eager_runs += 1
+            work()
+            return
         entry = self.entries.get(key)
         if entry is None:
             if len(self.entries) >= self.MAX_KEYS:
@@ -167,6 +176,15 @@ class UpdateGraphs:
             self.eager_runs += 1
             work()
             return
+        if self.captures >= self.GIVE_UP_CAPTURES and self.replays < self.captures:
+            warnings.warn(f"CUDA graphs: {self.captures} captures of the Adam update were replayed only "
+                          f"{self.replays} times (its gradients keep moving in memory); it runs eagerly from now on")
+            self.enabled = False
+            self.entries.clear()
+            self.eager_runs += 1
+            work()
+            return
+        self.captures += 1
         self._capture(entry, work, written)
 
     def _capture(self, entry: _UpdateEntry, work: Callable[[], None], written: list[Tensor]) -> None:
