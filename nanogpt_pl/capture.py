@@ -633,10 +633,12 @@ class PullGraphs:
 
 
 @dataclass
-class _RefreshEntry:
+class TailEntry:
+    """One key of an optimizer-tail graph set (:class:`RefreshGraphs`, ``DistAdam``'s ``UpdateGraphs``)."""
+
     visits: int = 0
     graph: Any = None
-    addresses: tuple = ()  # what the graph reads and writes, by address (checked before each replay)
+    addresses: tuple = ()  # what the graph reads and writes, by address, where the key does not hold them
     eager_only: bool = False
 
 
@@ -644,6 +646,62 @@ def _bytes_equal(a: Tensor, b: Tensor) -> bool:
     """Bit-for-bit equality (NaNs included) of two tensors of one dtype and shape."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def capture_checked(owner: Any, written: Sequence[Tensor], run: Callable[[], None], what: str,
+                    host: Optional[tuple[Callable[[], Any], Callable[[Any], None]]] = None,
+                    allow: Optional[Callable[[bool], None]] = None) -> Any:
+    """An optimizer tail's second visit: ``run`` eagerly (the step keeps that result), then the
+    same ``run`` captured from the eager run's starting values and replayed; the graph only if
+    its replay wrote the eager bytes into every tensor of ``written``, else None.
+
+    ``run`` updates ``written`` in place. ``host`` (save, load) is host-side state ``run`` also
+    changes: loaded back to its start before the capture, and to the eager result when no graph
+    is kept. ``allow(True)`` / ``allow(False)`` bracket the capture. A failed capture or a replay
+    that differs is one warning (``what`` names the work), and the eager result stands.
+    Captures on ``owner``'s side stream and pool (:func:`_capture_stream`).
+    """
+    start = [t.clone() for t in written]
+    start_host = host[0]() if host is not None else None
+    run()  # the result the step keeps
+    done = [t.clone() for t in written]
+    done_host = host[0]() if host is not None else None
+    side, current = _capture_stream(owner), torch.cuda.current_stream()
+    graph = None
+    same = False
+    try:
+        with torch.no_grad():
+            for t, v in zip(written, start):
+                t.copy_(v)
+        del start
+        if host is not None:
+            host[1](start_host)
+        if allow is not None:
+            allow(True)
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(current)
+        # thread_local: the data loader's prefetch thread may pin memory meanwhile
+        with torch.cuda.graph(graph, pool=owner._pool, stream=side, capture_error_mode="thread_local"):
+            run()
+        graph.replay()
+        same = all(_bytes_equal(t, v) for t, v in zip(written, done))
+    except Exception as err:  # pragma: no cover - depends on the work and the GPU toolchain
+        warnings.warn(f"CUDA graphs: capturing the {what} failed ({type(err).__name__}: {err}); it runs eagerly")
+        close_failed_capture()
+        graph = None
+    finally:
+        if allow is not None:
+            allow(False)
+    if graph is not None and same:
+        return graph
+    if graph is not None:
+        warnings.warn(f"CUDA graphs: the replayed {what} differs from the eager one; it runs eagerly")
+    with torch.no_grad():  # leave the eager result
+        for t, v in zip(written, done):
+            t.copy_(v)
+    if host is not None:
+        host[1](done_host)
+    return None
 
 
 class RefreshGraphs:
@@ -668,7 +726,7 @@ class RefreshGraphs:
 
     def __init__(self, states: Sequence[Any]) -> None:
         self.states = list(states)
-        self.entries: dict[tuple, _RefreshEntry] = {}
+        self.entries: dict[tuple, TailEntry] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         self._pool = None
         self.replays = 0
@@ -686,7 +744,7 @@ class RefreshGraphs:
         key = tuple((i, st.refresh_variant()) for i, st in marked)
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = _RefreshEntry()
+            entry = self.entries[key] = TailEntry()
         entry.visits += 1
         if entry.graph is not None:
             if self._addresses(stale) == entry.addresses:
@@ -698,7 +756,7 @@ class RefreshGraphs:
                 return
             warnings.warn("CUDA graphs: FP8 weights, scales or caches moved in memory; capturing the refresh again")
             self.entries.clear()
-            entry = self.entries[key] = _RefreshEntry(visits=1)
+            entry = self.entries[key] = TailEntry(visits=1)
         if entry.eager_only or entry.visits < 2 or not all(t.is_cuda for st in stale for t in st.refresh_writes()):
             self._eager(stale)
             return
@@ -717,51 +775,27 @@ class RefreshGraphs:
             out += [r.build().data_ptr() for r in st._last_call[0]]
         return tuple(out)
 
-    def _capture(self, entry: _RefreshEntry, stale: Sequence[Any]) -> None:
-        written = [t for st in stale for t in st.refresh_writes()]
-        start = [t.clone() for t in written]
-        hosts = [st.host_state() for st in stale]
-        self._eager(stale)  # the result the step keeps
-        done = [t.clone() for t in written]
-        done_hosts = [st.host_state() for st in stale]
-        side, current = _capture_stream(self), torch.cuda.current_stream()
-        graph = None
-        same = False
-        try:
-            with torch.no_grad():
-                for t, v in zip(written, start):
-                    t.copy_(v)
+    def _capture(self, entry: TailEntry, stale: Sequence[Any]) -> None:
+        def refresh() -> None:
+            for st in stale:
+                st.refresh_now()
+
+        def load(hosts: list) -> None:
             for st, h in zip(stale, hosts):
                 st.set_host_state(h)
-                st.allow_refresh_in_capture(True)
-            graph = torch.cuda.CUDAGraph()
-            side.wait_stream(current)
-            # thread_local: the data loader's prefetch thread may pin memory meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                for st in stale:
-                    st.refresh_now()
-            graph.replay()
-            same = all(_bytes_equal(t, v) for t, v in zip(written, done))
-        except Exception as err:  # pragma: no cover - depends on the states and the GPU toolchain
-            warnings.warn(f"CUDA graphs: capturing the FP8 refresh of {len(stale)} layers failed "
-                          f"({type(err).__name__}: {err}); it runs eagerly")
-            close_failed_capture()
-            graph = None
-        finally:
+
+        def allow(on: bool) -> None:
             for st in stale:
-                st.allow_refresh_in_capture(False)
-        if graph is not None and same:
+                st.allow_refresh_in_capture(on)
+
+        self.eager_runs += 1
+        graph = capture_checked(self, [t for st in stale for t in st.refresh_writes()], refresh,
+                                f"FP8 refresh of {len(stale)} layers",
+                                host=(lambda: [st.host_state() for st in stale], load), allow=allow)
+        if graph is None:
+            entry.eager_only = True
+        else:
             entry.graph, entry.addresses = graph, self._addresses(stale)
-            return
-        if graph is not None:
-            warnings.warn(f"CUDA graphs: the replayed FP8 refresh of {len(stale)} layers differs from the eager "
-                          "one; it runs eagerly")
-        entry.eager_only = True
-        with torch.no_grad():  # leave the eager refresh's result
-            for t, v in zip(written, done):
-                t.copy_(v)
-        for st, h in zip(stale, done_hosts):
-            st.set_host_state(h)
 
 
 def _short(key: Any) -> str:

@@ -45,7 +45,6 @@ on rank ``to`` hold full rows, which load on any world size.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -55,7 +54,7 @@ from torch.autograd.graph import increment_version
 from torch.profiler import record_function
 
 from ..backends import resolve_opt_in
-from ..capture import _bytes_equal, _capture_stream, close_failed_capture
+from ..capture import TailEntry, capture_checked
 from .staging import ScalarStager
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -113,13 +112,6 @@ def row_range(rows: int, world: int, rank: int) -> tuple[int, int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows), per
 
 
-@dataclass
-class _UpdateEntry:
-    visits: int = 0
-    graph: Any = None
-    eager_only: bool = False
-
-
 class UpdateGraphs:
     """An optimizer update as CUDA graph replays, one graph per layout key.
 
@@ -144,7 +136,7 @@ class UpdateGraphs:
     GIVE_UP_CAPTURES = 16
 
     def __init__(self) -> None:
-        self.entries: dict[tuple, _UpdateEntry] = {}
+        self.entries: dict[tuple, TailEntry] = {}
         self._stream: Optional[torch.cuda.Stream] = None
         self._pool = None
         self.replays = 0
@@ -164,7 +156,7 @@ class UpdateGraphs:
         if entry is None:
             if len(self.entries) >= self.MAX_KEYS:
                 self.entries.clear()
-            entry = self.entries[key] = _UpdateEntry()
+            entry = self.entries[key] = TailEntry()
         entry.visits += 1
         if entry.graph is not None:
             with record_function("graphs/adam_replay"):
@@ -185,41 +177,9 @@ class UpdateGraphs:
             work()
             return
         self.captures += 1
-        self._capture(entry, work, written)
-
-    def _capture(self, entry: _UpdateEntry, work: Callable[[], None], written: list[Tensor]) -> None:
-        start = [t.clone() for t in written]
         self.eager_runs += 1
-        work()  # the result the step keeps
-        done = [t.clone() for t in written]
-        side, current = _capture_stream(self), torch.cuda.current_stream()
-        graph = None
-        same = False
-        try:
-            for t, v in zip(written, start):
-                t.copy_(v)
-            del start
-            graph = torch.cuda.CUDAGraph()
-            side.wait_stream(current)
-            # thread_local: the data loader's prefetch thread may pin memory meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                work()
-            graph.replay()
-            same = all(_bytes_equal(t, v) for t, v in zip(written, done))
-        except Exception as err:  # pragma: no cover - depends on the GPU toolchain
-            warnings.warn(f"CUDA graphs: capturing the Adam update of {len(written)} tensors failed "
-                          f"({type(err).__name__}: {err}); it runs eagerly")
-            close_failed_capture()
-            graph = None
-        if graph is not None and same:
-            entry.graph = graph
-            return
-        if graph is not None:
-            warnings.warn(f"CUDA graphs: the replayed Adam update of {len(written)} tensors differs from the "
-                          "eager one; it runs eagerly")
-        entry.eager_only = True
-        for t, v in zip(written, done):  # leave the eager update's result
-            t.copy_(v)
+        entry.graph = capture_checked(self, written, work, f"Adam update of {len(written)} tensors")
+        entry.eager_only = entry.graph is None
 
 
 class DistAdam(torch.optim.Optimizer):
