@@ -691,7 +691,8 @@ class SpeedrunModule(L.LightningModule):
         combined = self._combined()
         for part in combined.parts.values():
             part.zero_grad(set_to_none=True)
-            part.state.clear()
+            if not isinstance(part, DistAdam):  # DistAdam loads into the moments it holds (its graphs read them)
+                part.state.clear()
         combined.load_state_dict(copy.deepcopy(state["optimizer"]))
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])

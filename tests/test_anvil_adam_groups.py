@@ -9,6 +9,7 @@ bf16 parameters. The multi-rank (sharded lm_head/embed) behaviour is tested in
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -107,6 +108,44 @@ def test_bf16_checkpoint_keeps_fp32_moments_and_resumes_exactly() -> None:
         grads(resumed, 4, step)
         c.step()
     for x, y in zip(straight, resumed):
+        assert torch.equal(x.detach(), y.detach())
+
+
+@pytest.mark.parametrize("resume_at", [0, 2])
+def test_a_reload_keeps_the_moments_addresses_and_resumes_exactly(resume_at: int) -> None:
+    """The speedrun timer's reset loads the state saved before its warmup (empty at step 0):
+    the moments keep their addresses, which the update graphs' keys hold, and the steps after
+    the load are the steps a fresh start takes."""
+    seed = fresh_seed()
+    kw = dict(lr=0.01, weight_decay=0.005, cautious_wd=True, decay_lr_power=2)
+    straight = make(seed)
+    a = DistAdam(straight, **kw)
+    for step in range(resume_at + 3):
+        grads(straight, seed, step)
+        a.step()
+    params = make(seed)
+    b = DistAdam(params, **kw)
+    for step in range(resume_at):
+        grads(params, seed, step)
+        b.step()
+    saved = copy.deepcopy(b.state_dict())
+    start = [p.detach().clone() for p in params]
+    for step in range(4):  # the warmup: other gradients, then back
+        grads(params, seed + 1, step)
+        b.step()
+    held = {i: (b.state[p]["exp_avg"].data_ptr(), b.state[p]["exp_avg_sq"].data_ptr()) for i, p in enumerate(params)}
+    with torch.no_grad():
+        for p, x in zip(params, start):
+            p.copy_(x)
+    b.load_state_dict(saved)
+    assert all(bool(b.state.get(p)) == (resume_at > 0) for p in params)
+    for step in range(resume_at, resume_at + 3):
+        grads(params, seed, step)
+        b.step()
+    for i, p in enumerate(params):
+        assert (b.state[p]["exp_avg"].data_ptr(), b.state[p]["exp_avg_sq"].data_ptr()) == held[i]
+        assert b.state[p]["step"] == a.state[straight[i]]["step"] == resume_at + 3
+    for x, y in zip(straight, params):
         assert torch.equal(x.detach(), y.detach())
 
 

@@ -24,6 +24,7 @@ from nanogpt_pl.capture import (
     ModuleGraphs,
     RunAhead,
     StepGraphs,
+    _bytes_equal,
     _flatten,
     _static_copy,
     _tensor_pairs,
@@ -330,6 +331,26 @@ def test_static_copies_keep_the_layout_and_leaves():
         assert s is not v and torch.equal(s, v) and s.requires_grad == v.requires_grad
         assert s.data_ptr() != v.data_ptr()
     assert static["sparse"]["ngram"].values.is_leaf and static["mb"]["max_seqlen"] == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_self_checks_compare_bytes_so_a_nan_matches_itself(dtype):
+    """The capture self-checks (pull, refresh, Adam update) compare bytes: ``torch.equal`` calls a
+    NaN unequal to itself, which would turn a bit-exact replay of a NaN into a failed check."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    a = torch.randn(5, 7, generator=g).to(dtype)
+    a[1, 3] = float("nan")
+    b = a.clone()
+    assert not torch.equal(a, b) and _bytes_equal(a, b)
+    assert _bytes_equal(a.t(), b.t())  # a strided view compares by its elements
+    b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[1, 3] += 1  # another NaN payload
+    assert b[1, 3].isnan() and not _bytes_equal(a, b)
+    c = a.clone()
+    c[0, 0] = 0.0
+    d = c.clone()
+    d[0, 0] = -0.0  # equal as numbers, different bits
+    assert torch.equal(c.nan_to_num(), d.nan_to_num()) and not _bytes_equal(c, d)
+    assert not _bytes_equal(a, a.float() if dtype != torch.float32 else a.double())
 
 
 def test_gradient_buffers_follow_eager_none_semantics():

@@ -233,6 +233,7 @@ class DistAdam(torch.optim.Optimizer):
         device = first.device if first is not None else torch.device("cpu")
         self.update_backend = resolve_update_backend(update_backend, device)
         self._consolidated: Optional[dict[Tensor, dict]] = None
+        self._spare: dict[Tensor, dict[str, Tensor]] = {}  # moments a load left unused (load_state_dict)
         self.device = device
         on_cuda = device.type == "cuda"
         if cuda_graph and not on_cuda:
@@ -309,8 +310,13 @@ class DistAdam(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
-            state["exp_avg_sq"] = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+            spare = self._spare.pop(p, {})
+            for name in _MOMENTS:
+                old = spare.get(name)
+                if old is not None and old.shape == target.shape and old.device == target.device:
+                    state[name] = old.zero_()  # the address the update graphs were captured with
+                else:
+                    state[name] = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
             if rows is not None:
                 state["rows"] = (rows[0], rows[1], p.shape[0])
         state["step"] += 1
@@ -472,7 +478,14 @@ class DistAdam(torch.optim.Optimizer):
 
         A sharded state that holds only some rows (a rank's shard, saved without
         :meth:`consolidate_state_dict`) loads only on the rank that owns the same rows.
+
+        Moments this optimizer already holds in the same shape are overwritten in place, so
+        the update graphs, which read them by address, keep replaying after a load (the
+        speedrun timer's reset after its warmup loads the state it saved before it). Those of
+        parameters the loaded state has no moments for are kept aside and zeroed for their
+        first step.
         """
+        held = {p: {name: s[name] for name in _MOMENTS if name in s} for p, s in self.state.items()}
         pg = self.process_group
         world, rank = world_of(pg), rank_of(pg)
         params = [(g, p) for g in self.param_groups for p in g["params"]]
@@ -516,4 +529,9 @@ class DistAdam(torch.optim.Optimizer):
                 continue
             p = params[i][1]
             for name, value in saved.items():
-                self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                mine = held.get(p, {}).get(name)
+                if mine is not None and mine.shape == value.shape and mine.device == p.device:
+                    self.state[p][name] = mine.copy_(value)  # same address, new values
+                else:
+                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
+        self._spare = {p: moments for p, moments in held.items() if not self.state.get(p)}
