@@ -186,7 +186,7 @@ def check_grouped(device: str, cautious: bool, power: int) -> None:
         groups = [dict(params=a, lr_mul=5.0, wd_mul=150.0), dict(params=b, lr_mul=1.0, wd_mul=1.0),
                   dict(params=c, weight_decay=0.0, betas=(0.8, 0.99))]
         return DistAdam(groups, lr=0.008, betas=(0.5, 0.95), eps=1e-10, weight_decay=0.005,
-                        cautious_wd=cautious, decay_lr_power=power), a + b + c
+                        cautious_wd=cautious, decay_lr_power=power, cuda_graph=False), a + b + c
 
     grouped, ps = build()
     single, qs = build()
