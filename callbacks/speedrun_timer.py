@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
-from nanogpt_pl.capture import FrozenGC, schedule_key
+from nanogpt_pl.capture import FrozenGC, gpu_memory_gib, schedule_key
 
 RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 
@@ -32,7 +33,10 @@ WARMUP_PREFIX = 8  # RECORD §11: the steps 0..7 are visited last
 UNTIE_FOLLOW_STEPS = 3  # RECORD §11: the 3 steps after the untie (1176–1178)
 
 
-def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
+WARMUP_ORDERS = ("largest_first", "schedule")
+
+
+def default_warmup_steps(schedule: Any, limit: int = 40, order: str = "largest_first") -> list[int]:
     """The untimed warmup steps, chosen as the record chooses them (RECORD §11).
 
     A configuration key is ``nanogpt_pl.capture.schedule_key`` (batch, sequence length, max
@@ -42,8 +46,12 @@ def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
     boundary and every change of the candidate count; the 3 steps after the untie; each key's
     first step and the one after. The prefix 0..7 comes last. On the record's schedule this is
     29 sampled steps plus the prefix, 37 in all (budget 40). At most ``limit`` steps: sampled
-    ones are dropped from the end first.
+    ones are dropped from the end first. ``order="largest_first"`` runs the sampled steps
+    longest micro-batch first (:func:`largest_first`), for the graphs' memory; ``"schedule"``
+    in step order, as the record lists them.
     """
+    if order not in WARMUP_ORDERS:
+        raise ValueError(f"SpeedrunTimer warmup_order={order!r}: use one of {', '.join(WARMUP_ORDERS)}")
     total = schedule.total_steps
 
     def key(s: int) -> tuple:
@@ -61,7 +69,29 @@ def default_warmup_steps(schedule: Any, limit: int = 40) -> list[int]:
         sampled.update(range(schedule.untie_step + 1, schedule.untie_step + 1 + UNTIE_FOLLOW_STEPS))
     prefix = list(range(min(WARMUP_PREFIX, total)))
     sampled = sorted(s for s in sampled if 0 <= s < total and s not in prefix)
-    return sampled[:max(0, limit - len(prefix))] + prefix[:limit]
+    sampled = sampled[:max(0, limit - len(prefix))]
+    return (largest_first(schedule, sampled) if order == "largest_first" else sampled) + prefix[:limit]
+
+
+def largest_first(schedule: Any, steps: list[int]) -> list[int]:
+    """``steps`` (ascending) reordered so the runs of consecutive steps with the longest
+    micro-batch come first; each run keeps its order (a key's two visits, a stage boundary).
+
+    The micro-batch graphs of every key share one memory pool, and a capture can only reuse
+    the pool's free blocks that are large enough. Captured from the shortest sequences up,
+    each stage adds segments sized for its own tensors and the pool grows toward the sum of the
+    stages' activations (on one H100, ``speedrun_1gpu.yaml``'s warmup in step order ran out of
+    memory capturing, with 12-17 GiB in graph pools and 11-17 GiB of free blocks it could not
+    use). Largest first, the later keys' tensors can be cut from the largest key's blocks.
+    """
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    runs.sort(key=lambda run: -max(schedule.seq_len(s) for s in run))  # stable: ties stay in step order
+    return [s for run in runs for s in run]
 
 
 class SpeedrunTimer(L.Callback):
@@ -73,12 +103,22 @@ class SpeedrunTimer(L.Callback):
         warmup_limit: at most this many automatically chosen warmup steps.
         target: validation loss at which the run stops (RECORD §12: 3.28).
         stop_at_target: stop training once a validation reaches the target.
+        warmup_order: ``largest_first`` (default) or ``schedule``: the order of the chosen
+            warmup steps (:func:`default_warmup_steps`).
+
+    On a GPU the warmup ends with one line: its steps and seconds, and the memory it left
+    (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
     """
 
     def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,
-                 target: float = RECORD_TARGET, stop_at_target: bool = True) -> None:
+                 target: float = RECORD_TARGET, stop_at_target: bool = True,
+                 warmup_order: str = "largest_first") -> None:
+        if warmup_order not in WARMUP_ORDERS:
+            raise ValueError(f"SpeedrunTimer warmup_order={warmup_order!r}: use one of {', '.join(WARMUP_ORDERS)}")
         self.warmup_steps = warmup_steps
         self.warmup_limit = warmup_limit
+        self.warmup_order = warmup_order
+        self.warmup_memory: dict[str, float] = {}
         self.target = target
         self.stop_at_target = stop_at_target
         self.elapsed = 0.0
@@ -103,7 +143,7 @@ class SpeedrunTimer(L.Callback):
         return [cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "reset")]
 
     def run_warmup(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[int]:
-        steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit)
+        steps = (default_warmup_steps(pl_module.schedule, self.warmup_limit, self.warmup_order)
                  if self.warmup_steps is None else list(self.warmup_steps))
         if trainer.max_steps is not None and trainer.max_steps >= 0:
             # a run shortened with trainer.max_steps has no data planned past it
@@ -126,6 +166,12 @@ class SpeedrunTimer(L.Callback):
             cb.reset()
         self._sync(pl_module)
         self.warmup_seconds = time.perf_counter() - start
+        if pl_module.device.type == "cuda":
+            self.warmup_memory = gpu_memory_gib(pl_module.device)
+            m = self.warmup_memory
+            rank_zero_info(f"speedrun warmup: {len(steps)} steps in {self.warmup_seconds:.1f} s; GPU memory "
+                           f"{m['peak_allocated']:.2f} GiB peak allocated, {m['reserved']:.2f} GiB reserved, "
+                           f"{m['graph_pools']:.2f} GiB of it in CUDA graph pools")
         return steps
 
     # -- clock -----------------------------------------------------------------------------

@@ -632,6 +632,19 @@ class PullGraphs:
         return outputs
 
 
+def gpu_memory_gib(device: torch.device) -> dict[str, float]:
+    """The caching allocator's peak allocated and current reserved memory on ``device``, and
+    the part of the reserved memory held by CUDA graph pools (every pool but the default), in GiB."""
+    segments = torch.cuda.memory_snapshot()
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    pools = sum(seg["total_size"] for seg in segments
+                if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    gib = float(1 << 30)
+    return {"peak_allocated": torch.cuda.max_memory_allocated(device) / gib,
+            "reserved": torch.cuda.memory_reserved(device) / gib, "graph_pools": pools / gib}
+
+
 @dataclass
 class TailEntry:
     """One key of an optimizer-tail graph set (:class:`RefreshGraphs`, ``DistAdam``'s ``UpdateGraphs``)."""

@@ -136,9 +136,23 @@ def test_default_warmup_steps_are_the_records():
     # each configuration key's first step and the next), then the prefix 0..7 last: 37 steps
     sampled = [318, 319, 320, 321, 411, 412, 501, 502, 591, 592, 679, 680, 681, 682, 963, 964, 965, 966,
                1105, 1106, 1107, 1108, 1172, 1173, 1174, 1175, 1176, 1177, 1178]
-    assert steps == sampled + list(range(8)) and len(steps) == 37
+    assert sorted(steps[:-8]) == sampled and steps[-8:] == list(range(8)) and len(steps) == 37
+    # the runs of consecutive steps, longest micro-batch first (RECORD §9: stage 2's 49,152 tokens,
+    # then stage 3's 40,960 with the extension's 16,384 after it, stage 1's 32,768), each in step order
+    assert steps[:-8] == [679, 680, 681, 682, 963, 964, 965, 966, 1105, 1106, 1107, 1108,
+                          1172, 1173, 1174, 1175, 1176, 1177, 1178, 318, 319, 320, 321, 411, 412, 501, 502, 591, 592]
     assert default_warmup_steps(Schedule(), limit=40) == steps
+    # over the limit, sampled steps go from the end of the schedule first
     assert default_warmup_steps(Schedule(), limit=10) == sampled[:2] + list(range(8))
+    # the record's own order: the sampled steps ascending, then the prefix
+    assert default_warmup_steps(Schedule(), limit=40, order="schedule") == sampled + list(range(8))
+
+
+def test_warmup_order_is_checked_with_one_line():
+    with pytest.raises(ValueError, match="warmup_order='biggest'.*largest_first, schedule"):
+        SpeedrunTimer(warmup_order="biggest")
+    with pytest.raises(ValueError, match="warmup_order='x'"):
+        default_warmup_steps(Schedule(), order="x")
 
 
 class _Snapshot(L.Callback):

@@ -23,7 +23,7 @@ from test_capture import (
     train_losses,
 )
 
-from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs, _flatten
+from nanogpt_pl.capture import SELF_CHECK_RTOL, RunAhead, StepGraphs, _flatten, gpu_memory_gib
 
 pytestmark = [
     pytest.mark.cuda,
@@ -512,3 +512,26 @@ def test_run_ahead_keeps_at_most_two_steps_in_flight():
         r.step_done(a.device)
         assert r.pending() <= 2
     torch.cuda.synchronize()
+
+
+def test_memory_report_counts_what_a_graph_pool_holds():
+    """``gpu_memory_gib`` (the speedrun timer's warmup line): a graph's output stays in its pool."""
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    before = gpu_memory_gib(dev)
+    x = torch.randn(1 << 20, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2  # warm the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.empty(64 << 20, device=dev).copy_(x.repeat(64))  # 256 MiB held by the graph's pool
+    graph.replay()
+    after = gpu_memory_gib(dev)
+    assert after["graph_pools"] - before["graph_pools"] >= 0.25
+    assert after["reserved"] >= after["graph_pools"] and after["peak_allocated"] >= 0.25
+    assert torch.equal(y[: 1 << 20], x)
+    del graph, y
+
