@@ -74,6 +74,11 @@ def child(order: str, args: list[str], limit: int) -> dict:
             module.run_step(batch)
             previous = step
             done += 1
+            torch.cuda.synchronize(device)
+            m = gpu_memory_gib(device)
+            print(f"[{order}] step {done}/{len(steps)} (schedule step {step}) after "
+                  f"{time.perf_counter() - start:.0f} s: {m['reserved']:.2f} GiB reserved, "
+                  f"{m['graph_pools']:.2f} GiB in graph pools", file=sys.stderr, flush=True)
         torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as err:
         failed = f"out of memory at warmup step {done + 1} of {len(steps)} (schedule step {steps[done]}): " \
@@ -106,10 +111,9 @@ def main() -> None:
     for order in a.orders:
         cmd = [sys.executable, __file__, "--config", a.config, "--limit", str(a.limit), "--child", order,
                "--corpus", "quickstart" if corpus else "config"] + [x for s in a.set for x in ("--set", s)]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)  # its progress goes to stderr
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith(MARK)]
         if not lines:
-            print(out.stderr[-3000:], file=sys.stderr)
             results[order] = None
             continue
         results[order] = json.loads(lines[-1][len(MARK):])
@@ -120,7 +124,7 @@ def main() -> None:
           f"{'graph pools GiB':>16}  outcome")
     for order, r in results.items():
         if r is None:
-            print(f"{order:<14} the child failed (its stderr is above)")
+            print(f"{order:<14} its process failed (its output is above)")
             continue
         print(f"{order:<14} {r['steps']:>3}/{r['planned']:<3} {r['seconds']:>8.1f} {r['keys']:>5} "
               f"{r['peak_allocated']:>15.2f} {r['reserved']:>13.2f} {r['graph_pools']:>16.2f}  "
