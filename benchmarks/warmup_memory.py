@@ -3,7 +3,8 @@
 The warmup (``callbacks/speedrun_timer.py``) runs a real training step at each of about 37
 schedule steps, so every configuration key of the run is seen twice and its CUDA graphs are
 captured off the clock. The micro-batch graphs of all keys share one memory pool. This script
-runs that warmup for a config, once per order of its steps (``largest_first``: the runs of
+runs that warmup (the same steps, the state copy it holds and the restore at its end) for a
+config, once per order of its steps (``largest_first``: the runs of
 steps with the longest micro-batch first; ``schedule``: step order, as the record lists
 them), each in its own process, and prints per order the steps it ran, its seconds, the peak
 allocated memory, the reserved memory after it and the part of that in CUDA graph pools, or
@@ -67,6 +68,7 @@ def child(order: str, args: list[str], limit: int) -> dict:
     start, done, failed = time.perf_counter(), 0, None
     previous = 0
     try:
+        snapshot = module.capture_state()  # as SpeedrunTimer.run_warmup: it holds this copy through the warmup
         for step in steps:
             batch = module.prepare_batch(data.batch_at(step), step)
             batch = module.transfer_batch_to_device(batch, device, 0)
@@ -79,6 +81,7 @@ def child(order: str, args: list[str], limit: int) -> dict:
             print(f"[{order}] step {done}/{len(steps)} (schedule step {step}) after "
                   f"{time.perf_counter() - start:.0f} s: {m['reserved']:.2f} GiB reserved, "
                   f"{m['graph_pools']:.2f} GiB in graph pools", file=sys.stderr, flush=True)
+        module.restore_state(snapshot)
         torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as err:
         failed = f"out of memory at warmup step {done + 1} of {len(steps)} (schedule step {steps[done]}): " \
