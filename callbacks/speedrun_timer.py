@@ -74,8 +74,8 @@ def default_warmup_steps(schedule: Any, limit: int = 40, order: str = "largest_f
 
 
 def largest_first(schedule: Any, steps: list[int]) -> list[int]:
-    """``steps`` (ascending) reordered so the runs of consecutive steps with the longest
-    micro-batch come first; each run keeps its order (a key's two visits, a stage boundary).
+    """``steps`` (ascending) reordered so the runs of consecutive steps that start with the
+    longest micro-batch come first; each run keeps its order (a key's two visits, a stage boundary).
 
     The micro-batch graphs of every key share one memory pool, and a capture can only reuse
     the pool's free blocks that are large enough. Captured from the shortest sequences up,
@@ -83,6 +83,10 @@ def largest_first(schedule: Any, steps: list[int]) -> list[int]:
     stages' activations (on one H100, ``speedrun_1gpu.yaml``'s warmup in step order ran out of
     memory capturing, with 12-17 GiB in graph pools and 11-17 GiB of free blocks it could not
     use). Largest first, the later keys' tensors can be cut from the largest key's blocks.
+
+    A run is placed by its first step, not its longest: a key is captured at its second
+    micro-batch, so the first step of a run is where its first capture happens (a run across
+    a stage boundary starting in the shorter stage captures that stage's key first).
     """
     runs: list[list[int]] = []
     for s in steps:
@@ -90,7 +94,7 @@ def largest_first(schedule: Any, steps: list[int]) -> list[int]:
             runs[-1].append(s)
         else:
             runs.append([s])
-    runs.sort(key=lambda run: -max(schedule.seq_len(s) for s in run))  # stable: ties stay in step order
+    runs.sort(key=lambda run: -schedule.seq_len(run[0]))  # stable: ties stay in step order
     return [s for run in runs for s in run]
 
 

@@ -137,10 +137,11 @@ def test_default_warmup_steps_are_the_records():
     sampled = [318, 319, 320, 321, 411, 412, 501, 502, 591, 592, 679, 680, 681, 682, 963, 964, 965, 966,
                1105, 1106, 1107, 1108, 1172, 1173, 1174, 1175, 1176, 1177, 1178]
     assert sorted(steps[:-8]) == sampled and steps[-8:] == list(range(8)) and len(steps) == 37
-    # the runs of consecutive steps, longest micro-batch first (RECORD §9: stage 2's 49,152 tokens,
-    # then stage 3's 40,960 with the extension's 16,384 after it, stage 1's 32,768), each in step order
-    assert steps[:-8] == [679, 680, 681, 682, 963, 964, 965, 966, 1105, 1106, 1107, 1108,
-                          1172, 1173, 1174, 1175, 1176, 1177, 1178, 318, 319, 320, 321, 411, 412, 501, 502, 591, 592]
+    # the runs of consecutive steps by the micro-batch of their first step, longest first (RECORD §9:
+    # stage 2's 49,152 tokens, stage 3's 40,960 with the extension's 16,384 after it, stage 1's 32,768,
+    # and the run into stage 1 from stage 0's 16,384), each in step order
+    assert steps[:-8] == [963, 964, 965, 966, 1105, 1106, 1107, 1108, 1172, 1173, 1174, 1175, 1176, 1177, 1178,
+                          411, 412, 501, 502, 591, 592, 679, 680, 681, 682, 318, 319, 320, 321]
     assert default_warmup_steps(Schedule(), limit=40) == steps
     # over the limit, sampled steps go from the end of the schedule first
     assert default_warmup_steps(Schedule(), limit=10) == sampled[:2] + list(range(8))
