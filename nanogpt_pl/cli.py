@@ -275,7 +275,28 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True, save_config: bo
     )
 
 
+OOM_HINT = ("lower model.gpt.ngram_rows (the n-gram table), set model.cuda_graphs false (the graphs of every "
+            "stage stay allocated from the timer's warmup on), or use configs/speedrun_24gb.yaml")
+
+
+def _out_of_memory(exc: BaseException) -> str:
+    """torch's out-of-memory message, cut to its figures, and what to change."""
+    text = " ".join(str(exc).split())
+    figures = []
+    for pattern, form in ((r"Tried to allocate ([\d.]+ [KMG]iB)", "a request of {}"),
+                          (r"total capacity of ([\d.]+ [KMG]iB)", "a card of {}"),
+                          (r"this process has ([\d.]+ [KMG]iB) memory in use", "{} in use"),
+                          (r"([\d.]+ [KMG]iB) allocated in private pools", "{} in CUDA graph pools")):
+        found = re.search(pattern, text)
+        if found:
+            figures.append(form.format(found.group(1)))
+    said = ", ".join(figures) if figures else text
+    return f"out of GPU memory ({said}); {OOM_HINT}"
+
+
 def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return _out_of_memory(exc)
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, (UserError, ValueError, RuntimeError, OSError)):
         return text

@@ -196,6 +196,34 @@ def test_a_user_error_is_one_line_and_the_traceback_is_behind_debug(tmp_path, to
     assert out.returncode != 0 and "Traceback" in out.stderr and "long_window_layers" in out.stderr
 
 
+# torch 2.11's message for the out-of-memory error of a speedrun_1gpu.yaml warmup on an 80 GB H100
+H100_OOM = ("CUDA out of memory. Tried to allocate 264.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+            "40.12 MiB is free. Including non-PyTorch memory, this process has 79.13 GiB memory in use. Of the "
+            "allocated memory 60.59 GiB is allocated by PyTorch, with 16.99 GiB allocated in private pools (e.g., "
+            "CUDA Graphs), and 17.23 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory "
+            "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+            "documentation for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html)")
+
+
+def test_out_of_gpu_memory_is_one_line_with_its_figures_and_what_to_change(monkeypatch, capsys):
+    import nanogpt_pl.cli as cli
+
+    def fails(argv):
+        raise torch.OutOfMemoryError(H100_OOM)
+
+    monkeypatch.setattr(cli, "cli_main", fails)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    assert cli.main(["fit", "--config", "configs/speedrun_1gpu.yaml"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: out of GPU memory (a request of 264.00 MiB, a card of 79.18 GiB, 79.13 GiB in "
+                             "use, 16.99 GiB in CUDA graph pools); lower model.gpt.ngram_rows")
+    assert "model.cuda_graphs false" in err[0] and "configs/speedrun_24gb.yaml" in err[0]
+    assert (ROOT / "configs" / "speedrun_24gb.yaml").is_file()
+    # a message without the figures is kept whole
+    assert cli._one_line(torch.OutOfMemoryError("out of memory")).startswith("out of GPU memory (out of memory); ")
+
+
 def test_stage_field_override_from_the_command_line(tmp_path, toy_files, toy_config, run_cli):
     cfg = toy_config(tmp_path, toy_files)
     code, stdout, stderr = cli_in_process(["fit", "--config", str(cfg), "--schedule.stages.0.candidates", "null",
