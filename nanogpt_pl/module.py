@@ -208,6 +208,27 @@ torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup, Backend
 COMPILE_RECOMPILE_LIMIT = 64
 
 
+def _host_copy(obj: Any) -> Any:
+    """A deep copy of a (nested) state dict with every tensor copied to host memory.
+
+    Dicts keep their type and a module state dict its ``_metadata`` (``load_state_dict`` reads it).
+    """
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # the same type (and attributes such as _metadata), refilled below
+        out.clear()
+        out.update((k, _host_copy(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, list):
+        return [_host_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 class SpeedrunModule(L.LightningModule):
     """The speedrun GPT trained with manual optimization.
 
@@ -674,10 +695,15 @@ class SpeedrunModule(L.LightningModule):
 
     # -- state capture (the speedrun timer resets to the start after its warmup) -------
     def capture_state(self) -> dict[str, Any]:
-        """A deep copy of everything training changes: weights, buffers, optimizer, sampler."""
+        """A deep copy of everything training changes: weights, buffers, optimizer, sampler.
+
+        The weights' and optimizer's tensors are copied to host memory: the speedrun timer holds
+        this copy through its warmup, whose captures need the GPU's memory (several GiB at the
+        record's size; :meth:`restore_state` copies them back into place).
+        """
         return {
-            "model": copy.deepcopy(self.model.state_dict()),
-            "optimizer": copy.deepcopy(self._combined().state_dict()),
+            "model": _host_copy(self.model.state_dict()),
+            "optimizer": _host_copy(self._combined().state_dict()),
             "sampler": None if self.sampler is None else copy.deepcopy(self.sampler.state_dict()),
             "settings": copy.deepcopy(self.settings),
             # a record-size n-gram shard is not copied: before any sparse event it is all zeros
@@ -693,7 +719,7 @@ class SpeedrunModule(L.LightningModule):
             part.zero_grad(set_to_none=True)
             if not isinstance(part, DistAdam):  # DistAdam loads into the moments it holds (its graphs read them)
                 part.state.clear()
-        combined.load_state_dict(copy.deepcopy(state["optimizer"]))
+        combined.load_state_dict(_host_copy(state["optimizer"]))  # the parts may keep what they are given
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])

@@ -211,6 +211,39 @@ def test_padded_cu_seqlens_leave_the_loss_and_gradients_unchanged(seed, one_thre
     assert len(out[0][1]) == len(out[1][1]) and all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
+def check_state_copy_on_host(device: str, matrix_optimizer: str) -> None:
+    """``capture_state`` (what the speedrun timer holds through its warmup) keeps its tensors in
+    host memory, apart from the live ones, and ``restore_state`` puts them back exactly."""
+    seq = 256
+    module = make_module(device, False, every_technique_schedule(steps=4, seq_len=seq), every_technique_gpt(),
+                         matrix_optimizer=matrix_optimizer, backends=Backends(fp8="reference" if device == "cpu"
+                                                                              else "auto"))
+    train_losses(module, 1, micro_batches=2, seq_len=seq)  # optimizer state exists
+    live = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    snap = module.capture_state()
+    held = [t for part in ("model", "optimizer") for _, t in _flatten(snap[part]) if isinstance(t, torch.Tensor)]
+    assert len(held) > len(live)
+    assert all(t.device.type == "cpu" for t in held)
+    ptrs = {p.data_ptr() for p in module.model.parameters()}
+    assert not any(t.data_ptr() in ptrs for t in held)
+    assert hasattr(snap["model"], "_metadata")
+    after_one = train_losses(module, 2, micro_batches=2, seq_len=seq, seed=5)
+    assert any(not torch.equal(p, live[n]) for n, p in module.model.named_parameters())
+    table = module._prefix
+    module.restore_state(snap)
+    assert module._prefix is None  # RECORD §11: the timed run rebuilds it on the clock
+    module._prefix = table  # make_module's synthetic table, not the tokenizer's
+    for n, p in module.model.named_parameters():
+        assert p.device.type == torch.device(device).type and torch.equal(p.detach(), live[n]), n
+    # the restored run takes the same steps again
+    assert train_losses(module, 2, micro_batches=2, seq_len=seq, seed=5) == after_one
+
+
+@pytest.mark.parametrize("matrix_optimizer", ["anvil", "adamw"])
+def test_the_timers_state_copy_is_on_the_host_and_restores_exactly(matrix_optimizer, one_thread):
+    check_state_copy_on_host("cpu", matrix_optimizer)
+
+
 def test_prefix_weight_zero_is_off_and_sparse_leaf_shapes_are_in_the_key():
     assert _key(prefix_weight=0.0).prefix_weight == 0.0
     values = torch.zeros(1024, 64, requires_grad=True)
@@ -542,6 +575,7 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
 
     from nanogpt_pl.module import COMPILE_RECOMPILE_LIMIT
 
+    before = torch._dynamo.config.recompile_limit  # 64 if an earlier test in this process compiled a module
     gpt = every_technique_gpt(fp8_mlp=False, fp8_head=False, fp8_qkv=False)
     # config.patch restores the setting afterwards (pytest's monkeypatch would delete, i.e.
     # hide, a torch config entry on undo)
@@ -552,7 +586,7 @@ def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     with torch._dynamo.config.patch(recompile_limit=8):
         plain = make_module("cpu", False, every_technique_schedule(), gpt)
         assert plain.model._compiled_call_impl is None and torch._dynamo.config.recompile_limit == 8
-    assert torch._dynamo.config.recompile_limit == 8  # dynamo's default, as the other tests expect
+    assert torch._dynamo.config.recompile_limit == before  # restored, as the other tests expect
 
 
 def test_a_committed_refresh_leaves_the_host_record_a_real_refresh_leaves(one_thread):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from seeds import fresh_seed
 from test_capture import (
+    check_state_copy_on_host,
     every_technique_gpt,
     every_technique_schedule,
     make_module,
@@ -535,3 +536,6 @@ def test_memory_report_counts_what_a_graph_pool_holds():
     assert torch.equal(y[: 1 << 20], x)
     del graph, y
 
+
+def test_the_timers_state_copy_leaves_the_gpu_and_restores_exactly():
+    check_state_copy_on_host("cuda", "anvil")
