@@ -258,13 +258,25 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
             "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--trainer.max_steps", str(steps)]
+    return args + data_and_override_args(corpus, overrides), st
+
+
+def embedded_corpus(config: str, choice: str) -> bool:
+    """``--corpus``: ``quickstart``, or ``auto`` when the config's training files are missing."""
+    train_glob = (load_config(config).get("data") or {}).get("train_files")
+    return choice == "quickstart" or (choice == "auto" and not (train_glob and glob.glob(train_glob)))
+
+
+def data_and_override_args(corpus: bool, overrides: list[str]) -> list[str]:
+    """Command-line options for the embedded corpus (repeated as needed) and ``KEY=VALUE`` overrides."""
+    args = []
     if corpus:
         args += ["--data.train_files", "null", "--data.val_files", "null", "--data.corpus", "quickstart",
                  "--data.epochs", "100000"]
     for item in overrides:
         key, value = item.split("=", 1)
         args += [f"--{key}", value]
-    return args, st
+    return args
 
 
 # Host calls that block until the GPU catches up (a synchronize, or an allocator call that implies one).
@@ -596,9 +608,8 @@ def main() -> None:
         sys.exit(baseline_error(a.baseline))
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
-    cfg = load_config(a.config)
-    train_glob = (cfg.get("data") or {}).get("train_files")
-    corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
+    corpus = embedded_corpus(a.config, a.corpus)
+    train_glob = (load_config(a.config).get("data") or {}).get("train_files")
     total = a.warmup + a.steps
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set,
                             overlay=a.against if a.child == "against" else None)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import json
 import subprocess
 import sys
@@ -32,25 +31,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from step_time import data_and_override_args, embedded_corpus  # noqa: E402  (this folder is on sys.path)
+
 from callbacks.speedrun_timer import WARMUP_ORDERS, default_warmup_steps  # noqa: E402
 from nanogpt_pl.capture import gpu_memory_gib  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
-from nanogpt_pl.config_files import load_config  # noqa: E402
 
 MARK = "WARMUP_MEMORY "
 
 
 def cli_args(config: str, corpus: bool, overrides: list[str]) -> list[str]:
-    args = ["--config", config, "--trainer.devices", "1", "--trainer.logger", "false",
+    return ["--config", config, "--trainer.devices", "1", "--trainer.logger", "false",
             "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    if corpus:
-        args += ["--data.train_files", "null", "--data.val_files", "null", "--data.corpus", "quickstart",
-                 "--data.epochs", "100000"]
-    for item in overrides:
-        key, value = item.split("=", 1)
-        args += [f"--{key}", value]
-    return args
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            *data_and_override_args(corpus, overrides)]
 
 
 def child(order: str, args: list[str], limit: int) -> dict:
@@ -104,8 +98,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("warmup_memory.py: needs a CUDA GPU (CUDA graph pools are what it measures)")
-    train_glob = (load_config(a.config).get("data") or {}).get("train_files")
-    corpus = a.corpus == "quickstart" or (a.corpus == "auto" and not (train_glob and glob.glob(train_glob)))
+    corpus = embedded_corpus(a.config, a.corpus)
     args = cli_args(a.config, corpus, a.set)
     if a.child:
         print(MARK + json.dumps(child(a.child, args, a.limit)), flush=True)
