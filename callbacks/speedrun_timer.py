@@ -36,6 +36,11 @@ UNTIE_FOLLOW_STEPS = 3  # RECORD §11: the 3 steps after the untie (1176–1178)
 WARMUP_ORDERS = ("largest_first", "schedule")
 
 
+def check_warmup_order(order: str) -> None:
+    if order not in WARMUP_ORDERS:
+        raise ValueError(f"SpeedrunTimer warmup_order={order!r}: use one of {', '.join(WARMUP_ORDERS)}")
+
+
 def default_warmup_steps(schedule: Any, limit: int = 40, order: str = "largest_first") -> list[int]:
     """The untimed warmup steps, chosen as the record chooses them (RECORD §11).
 
@@ -50,8 +55,7 @@ def default_warmup_steps(schedule: Any, limit: int = 40, order: str = "largest_f
     longest micro-batch first (:func:`largest_first`), for the graphs' memory; ``"schedule"``
     in step order, as the record lists them.
     """
-    if order not in WARMUP_ORDERS:
-        raise ValueError(f"SpeedrunTimer warmup_order={order!r}: use one of {', '.join(WARMUP_ORDERS)}")
+    check_warmup_order(order)
     total = schedule.total_steps
 
     def key(s: int) -> tuple:
@@ -117,8 +121,7 @@ class SpeedrunTimer(L.Callback):
     def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,
                  target: float = RECORD_TARGET, stop_at_target: bool = True,
                  warmup_order: str = "largest_first") -> None:
-        if warmup_order not in WARMUP_ORDERS:
-            raise ValueError(f"SpeedrunTimer warmup_order={warmup_order!r}: use one of {', '.join(WARMUP_ORDERS)}")
+        check_warmup_order(warmup_order)  # at construction: the config's error, before any model is built
         self.warmup_steps = warmup_steps
         self.warmup_limit = warmup_limit
         self.warmup_order = warmup_order

@@ -310,17 +310,20 @@ class DistAdam(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = 0
-            spare = self._spare.pop(p, {})
             for name in _MOMENTS:
-                old = spare.get(name)
-                if old is not None and old.shape == target.shape and old.device == target.device:
-                    state[name] = old.zero_()  # the address the update graphs were captured with
-                else:
-                    state[name] = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+                state[name] = self._moment(p, name, target.shape, target.device).zero_()
             if rows is not None:
                 state["rows"] = (rows[0], rows[1], p.shape[0])
         state["step"] += 1
         return state
+
+    def _moment(self, p: Tensor, name: str, shape: torch.Size, device: torch.device) -> Tensor:
+        """An fp32 tensor for ``p``'s moment ``name`` (contents undefined): the one a load left
+        aside if it fits (the address the update graphs were captured with), else a new one."""
+        old = self._spare.get(p, {}).pop(name, None)
+        if old is not None and old.shape == shape and old.device == device:
+            return old
+        return torch.empty(shape, dtype=torch.float32, device=device)
 
     def _bucket_scalars(self, group: dict, t: int) -> list[float]:
         """A bucket's staged scalars: lr, decay, and the reciprocals of the bias corrections at step ``t``."""
@@ -485,7 +488,7 @@ class DistAdam(torch.optim.Optimizer):
         parameters the loaded state has no moments for are kept aside and zeroed for their
         first step.
         """
-        held = {p: {name: s[name] for name in _MOMENTS if name in s} for p, s in self.state.items()}
+        self._spare = {p: {name: s[name] for name in _MOMENTS if name in s} for p, s in self.state.items()}
         pg = self.process_group
         world, rank = world_of(pg), rank_of(pg)
         params = [(g, p) for g in self.param_groups for p in g["params"]]
@@ -529,9 +532,6 @@ class DistAdam(torch.optim.Optimizer):
                 continue
             p = params[i][1]
             for name, value in saved.items():
-                mine = held.get(p, {}).get(name)
-                if mine is not None and mine.shape == value.shape and mine.device == p.device:
-                    self.state[p][name] = mine.copy_(value)  # same address, new values
-                else:
-                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
-        self._spare = {p: moments for p, moments in held.items() if not self.state.get(p)}
+                self.state[p][name] = self._moment(p, name, value.shape, p.device).copy_(value)
+        # what is left waits for the first step of a parameter the state had no moments for
+        self._spare = {p: moments for p, moments in self._spare.items() if moments and not self.state.get(p)}
