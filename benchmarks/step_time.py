@@ -451,22 +451,6 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     return {"seconds": clock.seconds, "peak": _peak(), "gpt": cli.model.gpt_config}
 
 
-def _graph_counts(module) -> dict:
-    """Replays, eager micro-batches and captured keys of the module's CUDA graphs so far (zeros without)."""
-    adam = [part.graphs for part in module._combined().parts.values() if getattr(part, "graphs", None) is not None]
-    counts = {"adam_replays": sum(a.replays for a in adam), "adam_eager": sum(a.eager_runs for a in adam)}
-    graphs = getattr(module, "_graphs", None)
-    if graphs is None:
-        return {"replays": 0, "eager": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0, "refresh_replays": 0,
-                "refresh_eager": 0, **counts}
-    g, pulls, refresh = graphs.graphs, graphs.pulls, graphs.refresh
-    return {"replays": g.replays, "eager": g.eager_runs, "keys": len(g.captured_keys()),
-            "pull_replays": pulls.replays if pulls is not None else 0,
-            "pull_eager": pulls.eager_runs if pulls is not None else 0,
-            "refresh_replays": refresh.replays if refresh is not None else 0,
-            "refresh_eager": refresh.eager_runs if refresh is not None else 0, **counts}
-
-
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
               tag: str = "plain") -> dict:
     cli = cli_main(args, run=False, save_config=False)
@@ -494,7 +478,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                 _sync()  # the trace holds the timed steps only
             frozen.pause()  # as in training: no garbage collection while the clock runs (SpeedrunTimer)
             clock.start()
-            before = _graph_counts(module)
+            before = module.graph_counts()
             if cprofile:
                 import cProfile
 
@@ -512,7 +496,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         module.run_step(batch)
     seconds = clock.stop()
     frozen.resume()
-    after = _graph_counts(module)
+    after = module.graph_counts()
     if cprof is not None:
         import pstats
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from nanogpt_pl.capture import FrozenGC, gpu_memory_gib, schedule_key
 
@@ -31,6 +31,7 @@ RECORD_TARGET = 3.28  # RECORD §12: mean final FineWeb val CE must be <= 3.28
 
 WARMUP_PREFIX = 8  # RECORD §11: the steps 0..7 are visited last
 UNTIE_FOLLOW_STEPS = 3  # RECORD §11: the 3 steps after the untie (1176–1178)
+SLOW_STEPS_REPORTED = 5  # the end-of-training line names this many of the slowest timed steps
 
 
 WARMUP_ORDERS = ("largest_first", "schedule")
@@ -116,6 +117,11 @@ class SpeedrunTimer(L.Callback):
 
     On a GPU the warmup ends with one line: its steps and seconds, and the memory it left
     (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
+    Before it, the CUDA graphs' ``cu_seqlens`` are sized from the run's whole batch plan
+    (``reserve_cu_seqlens``), so a key has one shape whatever order the warmup visits it in.
+    While the clock runs, a step that runs a micro-batch eagerly (a key the warmup did not
+    capture) is one warning naming the new keys (``clock_eager_steps``); training ends (or
+    fails) with one line: the median and slowest timed steps by host wall time.
     """
 
     def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,
@@ -134,6 +140,10 @@ class SpeedrunTimer(L.Callback):
         self.reached = False
         self._paused_for_save = False
         self._gc = FrozenGC()  # RECORD §11: no garbage collection while the clock runs
+        self._step_seconds: list[tuple[int, float]] = []  # (step, host wall seconds) of each timed step
+        self._last_step_end = 0.0
+        self._graph_seen: Optional[dict] = None  # the module's graph counts at the last timed step's end
+        self.clock_eager_steps: list[int] = []  # timed steps that ran a micro-batch eagerly
 
     @property
     def clock_running(self) -> bool:
@@ -158,6 +168,7 @@ class SpeedrunTimer(L.Callback):
         if not steps:
             return []
         start = time.perf_counter()
+        self._reserve_graph_shapes(trainer, pl_module)
         snapshot = pl_module.capture_state()
         previous = 0
         for step in steps:
@@ -181,6 +192,50 @@ class SpeedrunTimer(L.Callback):
                            f"{m['graph_pools']:.2f} GiB of it in CUDA graph pools")
         return steps
 
+    @staticmethod
+    def _reserve_graph_shapes(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Size the CUDA graphs' inputs for the whole run before the first capture: the warmup
+        visits steps out of order, and a key captured at a smaller ``cu_seqlens`` than the run
+        reaches by then would be captured again on the clock."""
+        lengths_of = getattr(trainer.datamodule, "cu_seqlens_lengths", None)
+        reserve = getattr(pl_module, "reserve_cu_seqlens", None)
+        if lengths_of is None or reserve is None:
+            return
+        stop = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
+        reserve(lengths_of(stop))
+
+    def _graph_counts(self, pl_module: L.LightningModule) -> Optional[dict]:
+        counts = getattr(pl_module, "graph_counts", None)
+        return counts() if counts is not None else None
+
+    def _check_clock_captures(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """One line for each step that ran a micro-batch eagerly on the clock: a CUDA-graph key
+        the warmup did not capture (a capture costs two eager visits, compiled code for a new
+        shape, and graph memory, all timed)."""
+        counts = self._graph_counts(pl_module)
+        if counts is None or self._graph_seen is None:
+            return
+        eager = counts["eager"] - self._graph_seen["eager"]
+        if eager > 0:
+            step = trainer.global_step - 1
+            new = pl_module.graph_key_names(self._graph_seen["keys_seen"])
+            self.clock_eager_steps.append(step)
+            rank_zero_warn(f"speedrun timer: step {step} ran {eager} micro-batch(es) eagerly on the clock (CUDA "
+                           f"graphs not captured in the warmup); new keys: {'; '.join(new) or 'none'}")
+        self._graph_seen = counts
+
+    def _step_report(self) -> Optional[str]:
+        """The slowest steps of the timed run by host wall time, against the median."""
+        if len(self._step_seconds) < 2:
+            return None
+        by_time = sorted(self._step_seconds, key=lambda ts: -ts[1])
+        median = sorted(t for _, t in self._step_seconds)[len(self._step_seconds) // 2]
+        slow = ", ".join(f"{step}: {t:.2f}" for step, t in by_time[:SLOW_STEPS_REPORTED])
+        return (f"speedrun timer: {len(self._step_seconds)} timed steps, median {median * 1e3:.1f} ms; slowest "
+                f"(step: s) {slow}"
+                + (f"; {len(self.clock_eager_steps)} step(s) ran micro-batches eagerly, first "
+                   f"{self.clock_eager_steps[:SLOW_STEPS_REPORTED]}" if self.clock_eager_steps else ""))
+
     # -- clock -----------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == 0:
@@ -191,6 +246,17 @@ class SpeedrunTimer(L.Callback):
         self._sync(pl_module)
         self._gc.pause()
         self._t0 = time.perf_counter()
+        self._last_step_end = self._t0
+        self._graph_seen = self._graph_counts(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._t0 is None:
+            return
+        now = time.perf_counter()
+        self._step_seconds.append((trainer.global_step - 1, now - self._last_step_end))
+        self._last_step_end = now
+        self._check_clock_captures(trainer, pl_module)
 
     def _pause(self, pl_module: L.LightningModule) -> None:
         if self._t0 is not None:
@@ -231,9 +297,15 @@ class SpeedrunTimer(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pause(pl_module)
+        report = self._step_report()
+        if report is not None:
+            rank_zero_info(report)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._gc.resume()
+        report = self._step_report()
+        if report is not None:  # where the time went before the failure
+            rank_zero_info(report)
 
     def state_dict(self) -> dict[str, Any]:
         # a save's state_dict comes before its on_save_checkpoint pause: count the running segment

@@ -162,6 +162,11 @@ def max_seqlen_bound(schedule: Any, mb: dict[str, Any]) -> int:
     return min(n, int(bound))
 
 
+def graph_docs_length(n: int) -> int:
+    """The ``cu_seqlens`` length the graphs use for one of ``n`` entries: the next power of two."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
 def pad_cu_seqlens(cu_seqlens: Tensor, at_least: int = 0) -> Tensor:
     """``cu_seqlens`` padded with its last entry (T: zero-length segments) to the next power of
     two of its length, and at least ``at_least`` entries.
@@ -173,7 +178,7 @@ def pad_cu_seqlens(cu_seqlens: Tensor, at_least: int = 0) -> Tensor:
     settles on one key.
     """
     n = cu_seqlens.numel()
-    want = max(int(at_least), 1 << (n - 1).bit_length())
+    want = max(int(at_least), graph_docs_length(n))
     if want <= n:
         return cu_seqlens
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(want - n)])
@@ -875,6 +880,31 @@ class ModuleGraphs:
             self._mtp = (weights, host.to(device, non_blocking=True))
         return self._mtp[1]
 
+    def reserve_cu_seqlens(self, lengths: dict[int, int]) -> None:
+        """Pad the micro-batches of each sequence length T to at least ``lengths[T]`` entries of
+        ``cu_seqlens`` (rounded up as :func:`pad_cu_seqlens` rounds).
+
+        The padding only grows, so without this the length a key is captured with depends on
+        which batches came before it: a warmup that visits the schedule out of order captures
+        keys at lengths the run has outgrown by then, and the run captures again on the clock.
+        Reserved from the run's own plan (``TrainStream.cu_seqlens_lengths``), every key of a
+        T has one length from the first visit on.
+        """
+        for tokens, n in lengths.items():
+            self._docs_bound[int(tokens)] = max(self._docs_bound.get(int(tokens), 0), graph_docs_length(n))
+
+    def padded_cu_seqlens(self, cu_seqlens: Tensor, tokens: int) -> Tensor:
+        """``cu_seqlens`` of a micro-batch of ``tokens`` tokens as its graph takes it: padded to the
+        length reserved for ``tokens`` or, past it, to the next power of two, which is then the
+        length for every later micro-batch of ``tokens`` (it never shrinks)."""
+        out = pad_cu_seqlens(cu_seqlens, self._docs_bound.get(tokens, 0))
+        self._docs_bound[tokens] = int(out.numel())
+        return out
+
+    def key_names(self, start: int = 0) -> list[str]:
+        """The keys seen so far, from the ``start``-th on, as short text (in order of first visit)."""
+        return [_short(k) for k in list(self.graphs.entries)[start:]]
+
     def begin_step(self) -> None:
         self.graphs.begin_step()
         if self.pulls is not None:
@@ -905,9 +935,7 @@ class ModuleGraphs:
             run_mb["max_seqlen"] = int(mb["max_seqlen"])
             return module.eager_micro_step(run_mb, sparse, micro_batches)
         run_mb["max_seqlen"] = bound
-        tokens = int(mb["inputs"].numel())
-        run_mb["cu_seqlens"] = pad_cu_seqlens(mb["cu_seqlens"], self._docs_bound.get(tokens, 0))
-        self._docs_bound[tokens] = int(run_mb["cu_seqlens"].numel())
+        run_mb["cu_seqlens"] = self.padded_cu_seqlens(mb["cu_seqlens"], int(mb["inputs"].numel()))
         run_mb["mtp_weights"] = self._mtp_weights(tuple(s.mtp_weights), device)
         scales = tuple(rot.attn_scale for rot in module.model.rotaries.values())
         key = capture_key(run_mb, sparse, windows=s.windows, attn_scales=scales, mtp_terms=len(s.mtp_weights),

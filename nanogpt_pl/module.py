@@ -651,6 +651,35 @@ class SpeedrunModule(L.LightningModule):
             self._run_ahead.step_done(self.device)
         return total / len(micro)
 
+    def graph_counts(self) -> dict[str, int]:
+        """What the CUDA graphs have done so far: micro-batches replayed and run eagerly, keys
+        seen and captured, and the same for the sparse pulls, the FP8 refreshes and the Adam
+        updates (all zero while the step runs eagerly)."""
+        adam = [part.graphs for part in self._combined().parts.values() if getattr(part, "graphs", None) is not None]
+        counts = {"adam_replays": sum(a.replays for a in adam), "adam_eager": sum(a.eager_runs for a in adam)}
+        g = self._graphs
+        if g is None:
+            return {"replays": 0, "eager": 0, "keys_seen": 0, "keys": 0, "pull_replays": 0, "pull_eager": 0,
+                    "refresh_replays": 0, "refresh_eager": 0, **counts}
+        pulls, refresh = g.pulls, g.refresh
+        return {"replays": g.graphs.replays, "eager": g.graphs.eager_runs, "keys_seen": len(g.graphs.entries),
+                "keys": len(g.graphs.captured_keys()),
+                "pull_replays": pulls.replays if pulls is not None else 0,
+                "pull_eager": pulls.eager_runs if pulls is not None else 0,
+                "refresh_replays": refresh.replays if refresh is not None else 0,
+                "refresh_eager": refresh.eager_runs if refresh is not None else 0, **counts}
+
+    def graph_key_names(self, start: int = 0) -> list[str]:
+        """The micro-batch graph keys seen so far from the ``start``-th on (none while eager)."""
+        return [] if self._graphs is None else self._graphs.key_names(start)
+
+    def reserve_cu_seqlens(self, lengths: dict[int, int]) -> None:
+        """Size the CUDA graphs' ``cu_seqlens`` per sequence length for the run ahead
+        (:meth:`ModuleGraphs.reserve_cu_seqlens`); nothing while the step runs eagerly."""
+        graphs = self._step_graphs()
+        if graphs is not None:
+            graphs.reserve_cu_seqlens(lengths)
+
     def _step_graphs(self) -> Optional[ModuleGraphs]:
         """The CUDA graphs of the training step (``model.cuda_graphs``), None when the step runs eagerly."""
         if self._graphs is None and self.cuda_graphs and self.device.type == "cuda":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+import re
 import time
 from types import SimpleNamespace
 
@@ -192,6 +194,34 @@ def test_timer_warmup_resets_everything_and_excludes_validation(toy_files, tmp_p
     val_batches = 4096 // 1024
     assert 0 < timer.elapsed < wall - 0.5 * val_batches  # the slow validation is off the clock
     assert not timer.reached
+
+
+def test_timer_ends_with_the_slowest_timed_steps(toy_files, tmp_path, caplog):
+    """The end-of-training line names the median and the slowest timed steps; on CPU no step runs a
+    CUDA graph, so none is reported as run eagerly on the clock."""
+    module, data = make_run(toy_files, tiny_schedule(6))
+    timer = SpeedrunTimer(warmup_steps=[0, 1], target=0.0)
+    lightning_log = logging.getLogger("lightning.pytorch")  # it does not propagate to the root logger
+    lightning_log.addHandler(caplog.handler)
+    try:
+        make_trainer(tmp_path, callbacks=[_SlowStep(3, 0.4), timer]).fit(module, data)
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    assert [step for step, _ in timer._step_seconds] == list(range(6))
+    lines = [r.getMessage() for r in caplog.records if "timed steps" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("speedrun timer: 6 timed steps, median ")
+    slowest = re.search(r"slowest \(step: s\) (\d+): ([0-9.]+)", lines[0])
+    assert slowest and int(slowest[1]) == 3 and float(slowest[2]) >= 0.4 and timer.clock_eager_steps == []
+    assert "eagerly" not in lines[0]
+
+
+class _SlowStep(L.Callback):
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step - 1 == self.step:
+            time.sleep(self.seconds)
 
 
 # -- throughput ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from seeds import fresh_seed
 
 from callbacks.speedrun_timer import default_warmup_steps
 from nanogpt_pl.backends import Backends
@@ -677,3 +678,43 @@ def test_fp8_staleness_checks_are_skipped_only_while_nothing_they_read_changed(o
     module.run_step(step_batch(module, 1, 1, 2, 256))  # a whole step, optimizer included
     check(every)
     check(set())
+
+
+def test_reserved_cu_seqlens_give_every_micro_batch_of_a_length_one_shape_in_any_order(one_thread):
+    """Padding only grows, so without a reservation the length a key is captured with depends on the
+    micro-batches before it: a warmup that visits steps out of order captured keys at lengths the run
+    had outgrown by then, and the run captured them again on the clock (on one H100, out of memory
+    at step 965 of speedrun_1gpu.yaml). Reserved from the run's plan, the order no longer matters."""
+    module = make_module("cpu", False, every_technique_schedule(steps=2, seq_len=256, micro_batches=2),
+                         every_technique_gpt())
+    torch.manual_seed(fresh_seed())
+    counts = {256: [3, 40, 9, 130, 17, 66], 512: [5, 200, 33]}  # cu_seqlens entries per micro-batch
+
+    def cu(n: int, tokens: int) -> torch.Tensor:
+        inner = torch.randperm(tokens - 1)[: n - 2].add(1).sort().values.to(torch.int32)
+        return torch.cat([torch.zeros(1, dtype=torch.int32), inner, torch.full((1,), tokens, dtype=torch.int32)])
+
+    batches = [(tokens, cu(n, tokens)) for tokens, ns in counts.items() for n in ns]
+    lengths = {tokens: max(ns) for tokens, ns in counts.items()}
+    seen = []
+    for order in (batches, batches[::-1], sorted(batches, key=lambda b: b[1].numel())):
+        graphs = ModuleGraphs(module)
+        graphs.reserve_cu_seqlens(lengths)
+        got = {}
+        for tokens, c in order:
+            padded = graphs.padded_cu_seqlens(c, tokens)
+            assert torch.equal(padded[: c.numel()], c) and bool((padded[c.numel():] == tokens).all())
+            got[(tokens, c.numel())] = padded.numel()
+        assert set(got.values()) == {256}  # 130 -> 256 for T=256, 200 -> 256 for T=512: one shape each
+        seen.append(got)
+    assert seen[0] == seen[1] == seen[2]
+    # unreserved, the first micro-batches of a length get shorter shapes than the later ones
+    graphs = ModuleGraphs(module)
+    grown = [graphs.padded_cu_seqlens(c, t).numel() for t, c in sorted(batches, key=lambda b: b[1].numel())]
+    assert grown[0] == 4 and grown[-1] == 256 and len(set(grown)) > 2
+    # a micro-batch past the reservation grows the length for every later one of its T
+    graphs = ModuleGraphs(module)
+    graphs.reserve_cu_seqlens({256: 20})
+    assert graphs.padded_cu_seqlens(cu(5, 256), 256).numel() == 32
+    assert graphs.padded_cu_seqlens(cu(40, 256), 256).numel() == 64
+    assert graphs.padded_cu_seqlens(cu(5, 256), 256).numel() == 64

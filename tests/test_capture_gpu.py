@@ -539,3 +539,33 @@ def test_memory_report_counts_what_a_graph_pool_holds():
 
 def test_the_timers_state_copy_leaves_the_gpu_and_restores_exactly():
     check_state_copy_on_host("cuda", "anvil")
+
+
+def test_the_timer_names_a_key_its_warmup_left_out_and_none_when_it_visits_them_all(toy_files, tmp_path):
+    """A step that runs a micro-batch eagerly on the clock (a CUDA-graph key the warmup did not
+    capture) is one warning and is listed in ``clock_eager_steps``; the default warmup visits every
+    key, and the graphs' cu_seqlens are the lengths reserved from the run's plan."""
+    from train_helpers import make_run, make_trainer, tiny_schedule
+
+    from callbacks.speedrun_timer import SpeedrunTimer
+    from nanogpt_pl.capture import graph_docs_length
+    from nanogpt_pl.schedule import Stage
+
+    def stage(steps: int, seq_len: int) -> Stage:
+        return Stage(steps=steps, batch_tokens=1024, seq_len=seq_len, max_doc_len=256, window_short=64,
+                     window_long=256, lr_mul=1.0, candidates=2048)
+
+    sched = tiny_schedule(stages=[stage(4, 512), stage(4, 256)])
+    for warmup, want in (([0, 1], [4]), (None, [])):
+        module, data = make_run(toy_files, sched, cuda_graphs=True)
+        timer = SpeedrunTimer(warmup_steps=warmup, target=0.0)
+        trainer = make_trainer(tmp_path / str(warmup), callbacks=[timer], accelerator="gpu", limit_val_batches=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        clock = [str(w.message) for w in caught if "eagerly on the clock" in str(w.message)]
+        assert timer.clock_eager_steps == want
+        assert len(clock) == len(want) and all(f"step {s} ran" in m and "T=256" in m for s, m in zip(want, clock))
+        lengths = data.cu_seqlens_lengths()
+        docs = {key.tokens: key.max_docs for key in module._graphs.graphs.entries}
+        assert docs == {T: graph_docs_length(n) for T, n in lengths.items()}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from data_fixtures import small_schedule, write_random_shards
+from seeds import fresh_seed
 
 from nanogpt_pl.data.datamodule import SpeedrunDataModule
 from nanogpt_pl.data.shards import ShardError, write_shard
@@ -140,3 +141,30 @@ def _take_one(dm: SpeedrunDataModule, step: int):
         return next(iter(s))
     finally:
         s.close()
+
+
+def test_cu_seqlens_lengths_are_the_longest_of_every_ranks_batches(tmp_path, data_dir):
+    """The speedrun timer sizes the CUDA graphs' inputs from this before its out-of-order warmup: it
+    must be the longest ``cu_seqlens`` any rank's micro-batch of each sequence length has, attention
+    splits included, up to ``stop``."""
+    d = tmp_path / "short"
+    write_random_shards(d, fresh_seed(), n_shards=2, docs_per_shard=6000, mean_len=10, name="s")
+    # short documents: a slice holds more than the 128 entries of the smallest bucket, and a varying number
+    sched = small_schedule([(4, 8192, 2048, 40), (5, 8192, 4096, 200), (3, 8192, 4096, 200)], attention_cap=12)
+    dm = SpeedrunDataModule(train_files=str(d / "s_train_*.bin"), prefetch=2, schedule=sched)
+    dm.world_size = 2
+    dm.setup("fit")
+    for stop in (None, 6):
+        want: dict[int, int] = {}
+        every: set = set()
+        for rank in (0, 1):
+            dm.rank, dm._probe = rank, None
+            for step in range(sched.total_steps if stop is None else stop):
+                for mb in dm.batch_at(step):
+                    T = mb["inputs"].numel()
+                    want[T] = max(want.get(T, 0), mb["cu_seqlens"].numel())
+                    every.add((T, mb["cu_seqlens"].numel()))
+        assert dm.cu_seqlens_lengths(stop) == want
+        assert len(every) > len(want)  # the lengths vary within a T, so the longest is a real maximum
+    assert min(want.values()) > 128 and sched.attention_split(9) == 12  # the last stage splits documents
+    dm.teardown("fit")

@@ -182,6 +182,18 @@ class SpeedrunDataModule(L.LightningDataModule):
         Built synchronously from a separate cursor (for warmup passes that run chosen steps
         off the clock); the training stream handed to the trainer is untouched.
         """
+        probe = self._probe_stream()
+        plan = probe.walker.plan(step, probe.cursor_at(step))
+        probe.remember(step + 1, plan.next_cursor)
+        return probe.micro_batches(plan)
+
+    def cu_seqlens_lengths(self, stop: Optional[int] = None) -> dict[int, int]:
+        """Sequence length -> the longest ``cu_seqlens`` of the run's micro-batches up to ``stop``
+        (:meth:`TrainStream.cu_seqlens_lengths`, from a separate cursor)."""
+        return self._probe_stream().cu_seqlens_lengths(0, stop)
+
+    def _probe_stream(self) -> TrainStream:
+        """The stream :meth:`batch_at` and :meth:`cu_seqlens_lengths` plan from (not the trainer's)."""
         if self._probe is None:
             train, _ = self.resolved_files()
             if train is None:
@@ -190,10 +202,7 @@ class SpeedrunDataModule(L.LightningDataModule):
                 train, self.schedule, world_size=self.world_size, rank=self.rank,
                 vocab_size=self.vocab_size, prefetch=1, epochs=self.epochs, long_documents=self.long_documents,
             )
-        probe = self._probe
-        plan = probe.walker.plan(step, probe.cursor_at(step))
-        probe.remember(step + 1, plan.next_cursor)
-        return probe.micro_batches(plan)
+        return self._probe
 
     @property
     def train_stream(self) -> Optional[TrainStream]:

@@ -83,12 +83,28 @@ def pack_cu_seqlens(boundaries: np.ndarray, seq_len: int) -> np.ndarray:
     few distinct shapes). Padding entries are zero-length segments.
     """
     n = len(boundaries)
-    length = max_num_docs(seq_len)
-    if n > length:
-        length = -(-n // CU_SEQLENS_MULTIPLE) * CU_SEQLENS_MULTIPLE
-    out = np.full(length, seq_len, dtype=np.int32)
+    out = np.full(packed_length(n, seq_len), seq_len, dtype=np.int32)
     out[:n] = boundaries
     return out
+
+
+def packed_length(boundaries: int, seq_len: int) -> int:
+    """The length :func:`pack_cu_seqlens` gives ``boundaries`` entries of a sequence of ``seq_len`` tokens."""
+    length = max_num_docs(seq_len)
+    if boundaries > length:
+        length = -(-boundaries // CU_SEQLENS_MULTIPLE) * CU_SEQLENS_MULTIPLE
+    return length
+
+
+def slice_segments(lengths: np.ndarray, attention_split: Optional[int]) -> np.ndarray:
+    """The attention segments of a slice whose pieces have ``lengths`` (summing to T + 1): the
+    last piece loses its final token to the target shift, and pieces longer than
+    ``attention_split`` are split (RECORD.md §1)."""
+    seg = np.asarray(lengths, dtype=np.int64).copy()
+    seg[-1] -= 1
+    if seg[-1] == 0:
+        seg = seg[:-1]
+    return split_segments(seg, attention_split)
 
 
 def split_segments(lengths: np.ndarray, cap: Optional[int]) -> np.ndarray:

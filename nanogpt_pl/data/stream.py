@@ -25,7 +25,8 @@ from nanogpt_pl.data.planning import (
     ShardSet,
     StepPlan,
     pack_cu_seqlens,
-    split_segments,
+    packed_length,
+    slice_segments,
     to_tensor,
 )
 from nanogpt_pl.data.shards import ShardError
@@ -50,11 +51,7 @@ def build_micro_batch(
     """Gather one slice's tokens and its packed-sequence boundaries."""
     buf = np.concatenate([shard.tokens[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
     assert buf.size == seq_len + 1
-    seg = lengths.astype(np.int64).copy()
-    seg[-1] -= 1  # the last piece loses its final token to the target shift
-    if seg[-1] == 0:
-        seg = seg[:-1]
-    seg = split_segments(seg, attention_split)
+    seg = slice_segments(lengths, attention_split)
     boundaries = np.concatenate([[0], np.cumsum(seg)])
     return {
         "inputs": to_tensor(buf[:-1].astype(np.int32), pin),
@@ -261,6 +258,28 @@ class TrainStream:
                               self.pin_memory, plan.cut[i])
             for i in range(self.rank, len(plan.starts), self.world_size)
         ]
+
+    def cu_seqlens_lengths(self, start: int = 0, stop: Optional[int] = None) -> dict[int, int]:
+        """Sequence length T -> the longest ``cu_seqlens`` any micro-batch of steps
+        ``[start, stop)`` (default: to ``stop_step``) has, over every rank's slices.
+
+        Walks the plans only (no tokens are gathered). Padding every micro-batch of a T to
+        this length gives a run one input shape per T, whatever order its steps are visited
+        in (the speedrun timer's warmup seeds its CUDA graphs with it).
+        """
+        stop = self.stop_step if stop is None else min(int(stop), self.stop_step)
+        out: dict[int, int] = {}
+        step = int(start)
+        cursor = self.cursor_at(step) if step < stop else None
+        while step < stop:
+            plan = self.walker.plan(step, cursor)
+            split = self.schedule.attention_split(step)
+            longest = max(slice_segments(lengths, split).size for lengths in plan.lengths)
+            n = packed_length(longest + 1, plan.seq_len)
+            out[plan.seq_len] = max(out.get(plan.seq_len, 0), n)
+            step, cursor = step + 1, plan.next_cursor
+            self.remember(step, cursor)
+        return out
 
     def seek(self, step: int) -> None:
         """Continue from ``step``: the next batch handed out, and the next batch trained, is ``step``.
