@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from seeds import fresh_seed
 from train_helpers import write_markov_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,17 @@ def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None
         env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture
+def random_seed() -> int:
+    """A new seed for this test (``seeds.fresh_seed``), printed so a failing test's report names it.
+
+    A fixture rather than a parametrization: a parameter drawn at collection differs between the
+    processes of a parallel run (pytest-xdist), which must all collect the same tests."""
+    seed = fresh_seed()
+    print(f"random_seed: {seed}")
+    return seed
 
 
 @pytest.fixture

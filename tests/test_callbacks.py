@@ -204,14 +204,14 @@ def test_timer_ends_with_the_slowest_timed_steps(toy_files, tmp_path, caplog):
     lightning_log = logging.getLogger("lightning.pytorch")  # it does not propagate to the root logger
     lightning_log.addHandler(caplog.handler)
     try:
-        make_trainer(tmp_path, callbacks=[_SlowStep(3, 0.4), timer]).fit(module, data)
+        make_trainer(tmp_path, callbacks=[_SlowStep(3, 1.0), timer]).fit(module, data)
     finally:
         lightning_log.removeHandler(caplog.handler)
     assert [step for step, _ in timer._step_seconds] == list(range(6))
     lines = [r.getMessage() for r in caplog.records if "timed steps" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("speedrun timer: 6 timed steps, median ")
     slowest = re.search(r"slowest \(step: s\) (\d+): ([0-9.]+)", lines[0])
-    assert slowest and int(slowest[1]) == 3 and float(slowest[2]) >= 0.4 and timer.clock_eager_steps == []
+    assert slowest and int(slowest[1]) == 3 and float(slowest[2]) >= 1.0 and timer.clock_eager_steps == []
     assert "eagerly" not in lines[0]
 
 

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from gloo_group import init_gloo, leave, store_path
-from seeds import fresh_seed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -391,15 +390,14 @@ def _pairs(gen: torch.Generator, sizes: list[int], dtype: torch.dtype = torch.fl
             for n in sizes]
 
 
-@pytest.mark.parametrize("seed", [fresh_seed()])
-def test_gradient_queue_holds_copies_of_what_was_appended(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+def test_gradient_queue_holds_copies_of_what_was_appended(random_seed: int) -> None:
+    gen = torch.Generator().manual_seed(random_seed)
     q, pairs = GradientQueue(), _pairs(gen, [5, 17, 3, 40, 8, 1, 29])
     for i, (rows, grad) in enumerate(pairs):
         q.append(rows, grad)  # grows inside the cycle: earlier pairs are carried over
         got = list(q)
         assert len(got) == i + 1 and all(torch.equal(a, r) and torch.equal(b, g)
-                                         for (a, b), (r, g) in zip(got, pairs)), f"seed {seed} after {i + 1}"
+                                         for (a, b), (r, g) in zip(got, pairs)), f"seed {random_seed} after {i + 1}"
     want_rows, want_grads = torch.cat([r for r, _ in pairs]), torch.cat([g for _, g in pairs])
     rows, grads = q.whole()
     assert torch.equal(rows, want_rows) and torch.equal(grads, want_grads)
@@ -409,9 +407,8 @@ def test_gradient_queue_holds_copies_of_what_was_appended(seed: int) -> None:
     assert torch.equal(q.whole()[0], want_rows) and torch.equal(q.whole()[1], want_grads)
 
 
-@pytest.mark.parametrize("seed", [fresh_seed()])
-def test_gradient_queue_allocates_once_for_a_run_of_equal_cycles(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+def test_gradient_queue_allocates_once_for_a_run_of_equal_cycles(random_seed: int) -> None:
+    gen = torch.Generator().manual_seed(random_seed)
     q = GradientQueue()
     pointers = []
     for cycle in range(4):
@@ -419,7 +416,7 @@ def test_gradient_queue_allocates_once_for_a_run_of_equal_cycles(seed: int) -> N
         for rows, grad in pairs:
             q.append(rows, grad)
         rows, grads = q.whole()
-        assert torch.equal(grads, torch.cat([g for _, g in pairs])), f"seed {seed} cycle {cycle}"
+        assert torch.equal(grads, torch.cat([g for _, g in pairs])), f"seed {random_seed} cycle {cycle}"
         pointers.append(grads.data_ptr())
         q.clear()
         assert not q and q.capacity == 96  # the first cycle's growth is cut back to what it used
@@ -462,11 +459,10 @@ def test_gradient_queue_replace() -> None:
     assert not q
 
 
-@pytest.mark.parametrize("seed", [fresh_seed()])
-def test_one_rank_event_reads_the_queue_without_concatenating_it(seed: int, monkeypatch) -> None:
+def test_one_rank_event_reads_the_queue_without_concatenating_it(random_seed: int, monkeypatch) -> None:
     """The world-1 fixed event on micro-batches of different padded sizes (the buffer grows mid-cycle)
     updates the table exactly as the reference exchange does, and no concatenation of the queue runs."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(random_seed)
     fixed, ref = NgramShard(ROWS, DIM, exchange="fixed"), NgramShard(ROWS, DIM, exchange="reference")
     start = torch.randn(ROWS, DIM, generator=gen) * 0.1
     for shard in (fixed, ref):
@@ -493,6 +489,6 @@ def test_one_rank_event_reads_the_queue_without_concatenating_it(seed: int, monk
         fixed.step(lr=0.01, betas=(0.0, 0.95), eps=1e-10, weight_decay=0.005)
         monkeypatch.setattr(torch, "cat", real_cat)
         ref.step(lr=0.01, betas=(0.0, 0.95), eps=1e-10, weight_decay=0.005)
-        assert torch.equal(fixed.weight, ref.weight), f"seed {seed} event {event}"
+        assert torch.equal(fixed.weight, ref.weight), f"seed {random_seed} event {event}"
         assert torch.equal(fixed.adam.v, ref.adam.v) and fixed.pending_rows() == 0
     assert not torch.equal(fixed.weight, start)
