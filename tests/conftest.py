@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from interpreter import is_launcher_module, register_session_modules
 from seeds import fresh_seed
 from train_helpers import write_markov_shards
 
@@ -23,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
+    # the Triton-interpreter launchers collected this session share one child process (tests/interpreter.py)
+    launchers = {str(item.fspath) for item in items if item.name.endswith("_under_interpreter")}
+    register_session_modules(p for p in launchers if is_launcher_module(p))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -1,19 +1,50 @@
-"""Run a test module again in a child process under ``TRITON_INTERPRET=1``.
+"""Run test modules again in a child process under ``TRITON_INTERPRET=1``.
 
 The variable must be set before triton is imported, so a module's interpreter tests run
-in a fresh process: the parent test launches ``pytest`` on the same file with the
-variable set, and the module's ``@interp`` tests run only there.
+in a fresh process: the module's launcher test (``test_*_under_interpreter``) calls
+:func:`run_module_under_interpreter`, and the module's ``@interp`` tests run only there.
+
+One child serves the whole session: the first launcher to run starts ``pytest`` on every
+module whose launcher this session collected (``conftest.py`` registers them with
+:func:`register_session_modules`), and each launcher checks its own module's part of that
+run. A child's start-up (interpreter, torch, triton, the test modules' imports) costs about
+7 s on a 2-core machine, once instead of once per module.
 """
 
 import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+LAUNCHER_CALL = "run_module_under_interpreter(__file__)"
+
+_session_modules: set[str] = set()  # absolute paths of the modules whose launchers were collected
+_runs: dict[tuple[str, ...], "ChildRun"] = {}
+
+
+@dataclass
+class ChildRun:
+    """One child ``pytest`` run over several modules: its exit code, output, and per-module outcomes."""
+
+    returncode: int
+    output: str
+    outcomes: dict[str, list[tuple[str, str]]]  # module file name -> (test id, outcome)
+    selected: int  # tests the child collected and did not deselect
+
+
+def register_session_modules(paths) -> None:
+    """Modules (paths) whose launcher test this session collected: the shared child runs them all."""
+    _session_modules.update(os.path.abspath(str(p)) for p in paths)
+
+
+def is_launcher_module(path) -> bool:
+    with open(path) as f:
+        return LAUNCHER_CALL in f.read()
 
 
 def parent_only_tests(source: str) -> set[str]:
@@ -31,38 +62,61 @@ def parent_only_tests(source: str) -> set[str]:
     return names
 
 
-def run_module_under_interpreter(path: str) -> int:
-    """Run ``pytest`` on ``path`` with TRITON_INTERPRET=1 and check what the child ran.
+def parse_child(returncode: int, stdout: str, stderr: str) -> ChildRun:
+    """The per-module outcomes of a ``pytest -v`` run (a test id may hold spaces:
+    parametrize ids such as "[many short documents-64-64]")."""
+    outcomes: dict[str, list[tuple[str, str]]] = {}
+    for module, name, outcome in re.findall(
+            r"^(\S+?\.py)::(.+?) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)\b", stdout, re.M):
+        outcomes.setdefault(os.path.basename(module), []).append((name, outcome))
+    collected = re.search(r"collected (\d+) items?(?: / (\d+) deselected)?", stdout)
+    selected = -1 if collected is None else int(collected.group(1)) - int(collected.group(2) or 0)
+    return ChildRun(returncode, stdout[-6000:] + stderr[-3000:], outcomes, selected)
+
+
+def _child_run(path: str) -> ChildRun:
+    modules = tuple(sorted(_session_modules | {os.path.abspath(path)}))
+    if modules not in _runs:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda",
+             "--continue-on-collection-errors", *modules],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        _runs[modules] = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    return _runs[modules]
+
+
+def check_module(run: ChildRun, path: str) -> int:
+    """Check ``path``'s part of a child run; returns the module's pass count.
 
     The child runs the module's tests but its ``@pytest.mark.cuda`` ones (deselected: the
-    interpreter is the CPU path). It must run every one it collects, skip only the tests
+    interpreter is the CPU path). It must report an outcome for every test it selected (all
+    modules together: a child that died part-way fails every launcher), skip only the tests
     marked ``skipif(INTERPRETED, ...)`` (the launcher among them, which run in the parent),
-    pass all the others, and pass at least one test per ``@interp`` function of the module,
-    so a child that runs nothing, or skips what it should run, fails the parent. Returns the
-    child's pass count.
+    pass all the module's others, and pass at least one test per ``@interp`` function of the
+    module, so a child that runs nothing, or skips what it should run, fails the launcher.
     """
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda", os.path.abspath(path)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    collected = re.search(r"collected (\d+) items?(?: / (\d+) deselected)?", proc.stdout)
-    # (a test id may hold spaces: parametrize ids such as "[many short documents-64-64]")
-    outcomes = re.findall(r"::(.+?) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)\b", proc.stdout)
-    passed = [name for name, outcome in outcomes if outcome == "PASSED"]
-    skipped = [name.split("[")[0] for name, outcome in outcomes if outcome == "SKIPPED"]
-    assert collected is not None, tail
-    selected = int(collected.group(1)) - int(collected.group(2) or 0)
-    assert len(outcomes) == selected, tail
+    tail = run.output
+    assert run.returncode in (0, 1), tail  # 1: some test failed (whose, below); else the run itself broke
+    assert run.selected >= 0 and sum(map(len, run.outcomes.values())) == run.selected, tail
+    mine = run.outcomes.get(os.path.basename(path), [])
     with open(path) as f:
         source = f.read()
+    failed = [name for name, outcome in mine if outcome not in ("PASSED", "SKIPPED")]
+    assert not failed, (failed, tail)
+    passed = [name for name, outcome in mine if outcome == "PASSED"]
+    skipped = [name.split("[")[0] for name, outcome in mine if outcome == "SKIPPED"]
     parent_only = parent_only_tests(source)
     assert any(name.endswith("_under_interpreter") for name in skipped), (skipped, tail)
     assert set(skipped) <= parent_only, (skipped, parent_only, tail)
-    assert len(passed) == selected - len(skipped), tail
     interp_functions = len(re.findall(r"^@interp\b", source, re.M))
     assert interp_functions > 0 and len(passed) >= interp_functions, (interp_functions, len(passed), tail)
     return len(passed)
+
+
+def run_module_under_interpreter(path: str) -> int:
+    """Run ``path``'s tests with TRITON_INTERPRET=1 (in the session's shared child) and check
+    them (:func:`check_module`); returns the module's pass count."""
+    pytest.importorskip("triton")
+    return check_module(_child_run(path), path)
