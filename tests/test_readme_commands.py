@@ -5,8 +5,9 @@ two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--p
 (in this process: a parse there costs no interpreter start-up);
 the FineWeb download is checked to accept its options; ``tensorboard --logdir logs`` is started
 and stopped. ``describe``, ``generate`` and ``plot`` run as written (on the runs the commands
-before them made; in this process, as they train nothing); ``ablate`` on the quickstart config trains its runs with the tiny overlay
-after its ``--``, and on a GPU config each of its runs' configs is checked to parse. The two
+before them made; in this process, as they train nothing); ``ablate`` on the quickstart config
+trains its runs with the tiny overlay after its ``--``, and on a GPU config each of its runs'
+configs is checked to parse. The two
 set-up commands at the top (pip install ...) are what CI runs.
 """
 
