@@ -261,9 +261,14 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     return args + data_and_override_args(corpus, overrides), st
 
 
+def config_train_files(config: str) -> Optional[str]:
+    """The config's ``data.train_files`` glob (None when it sets none)."""
+    return (load_config(config).get("data") or {}).get("train_files")
+
+
 def embedded_corpus(config: str, choice: str) -> bool:
     """``--corpus``: ``quickstart``, or ``auto`` when the config's training files are missing."""
-    train_glob = (load_config(config).get("data") or {}).get("train_files")
+    train_glob = config_train_files(config)
     return choice == "quickstart" or (choice == "auto" and not (train_glob and glob.glob(train_glob)))
 
 
@@ -593,7 +598,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
     corpus = embedded_corpus(a.config, a.corpus)
-    train_glob = (load_config(a.config).get("data") or {}).get("train_files")
+    train_glob = config_train_files(a.config)
     total = a.warmup + a.steps
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set,
                             overlay=a.against if a.child == "against" else None)
