@@ -45,7 +45,8 @@ TREE``) runs in its own process, started in that tree with its own code and conf
 right after this tree's plain loop, and the report gives baseline / plain within every round.
 
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
-trace per loop in DIR (open in chrome://tracing or Perfetto), the top operations on stderr,
+trace per loop in DIR (open in chrome://tracing or Perfetto), every GPU kernel by its full name with
+its launches and time per step in ``DIR/<loop>-kernels.tsv``, the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
 GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
 kernels, unfused ATen elementwise kernels by operation, copies), and the host's side: per phase
@@ -447,6 +448,25 @@ def print_gpu_breakdown(events: list[tuple[str, float, float]], steps: int, tag:
             f"{k} {n / steps:.0f} launches {t / 1e3 / steps:.1f} ms" for k, (n, t) in ops.items()), file=sys.stderr)
 
 
+def kernel_table(events: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float, float, float, str]]:
+    """Every GPU kernel and copy of a profile by its full name, largest total first: ``(kind, launches
+    per step, ms per step, us per launch, name)``. The inductor kernels' names match the ``def``
+    lines of ``TORCH_LOGS=output_code``, whose comments name the source operations they fuse."""
+    by_name: dict[str, tuple[int, float]] = {}
+    for name, a, b in events:
+        n, t = by_name.get(name, (0, 0.0))
+        by_name[name] = (n + 1, t + (b - a))
+    rows = [(kernel_kind(name), n / steps, t / 1e3 / steps, t / n, name) for name, (n, t) in by_name.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path: Path) -> None:
+    """:func:`kernel_table` as a tab-separated file (a header line, then one kernel a line)."""
+    lines = ["kind\tlaunches_per_step\tms_per_step\tus_per_launch\tname"]
+    lines += [f"{kind}\t{n:.2f}\t{ms:.4f}\t{us:.2f}\t{name}" for kind, n, ms, us, name in kernel_table(events, steps)]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     clock = _Clock(warmup, warmup + steps)
@@ -527,6 +547,9 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                   f"({100 * (1 - busy / window):.1f}% idle: the queue was drained before the clock, "
                   f"so the first step's host work is in the wall time only)", file=sys.stderr)
             print_gpu_breakdown(events, steps, tag)
+            table = out / f"{tag}-kernels.tsv"
+            write_kernel_table(events, steps, table)
+            print(f"{tag}: every kernel, largest first: {table}", file=sys.stderr)
             print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"

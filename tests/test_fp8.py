@@ -175,6 +175,41 @@ def test_linear_row_blocks_get_their_own_gradients():
     assert qk.grad.shape == qk.shape
 
 
+@pytest.mark.parametrize("grad_dtype", ["e4m3", "e5m2"])
+def test_linear_gain_is_folded_into_the_scales_and_its_gradient_is_the_weight_inner_product(random_seed, grad_dtype):
+    """y = x @ (λ·W)ᵀ with λ in the GEMMs' weight scale: y, dx and dW are λ times the products of
+    the same FP8 operands without a gain, and dλ = ⟨dW, W⟩ over the weight (RECORD §7, QKV: "grad of
+    λ₀ = ⟨dW, W⟩"), which is autograd's ⟨g, x·Wᵀ⟩ over the output up to the FP8 rounding."""
+    gen = torch.Generator().manual_seed(random_seed)
+    n, d = 40, 64
+    grad_scale = f8.QKV_GRAD_SCALE if grad_dtype == "e4m3" else f8.MLP_GRAD_SCALE
+    qk0, v0 = fc_init(64, d, gen), fc_init(32, d, gen)
+    x0 = normed(n, d, gen)
+    g = 0.1 * torch.randn(n, 96, generator=gen)
+    lam = torch.nn.Parameter(0.25 + torch.rand((), generator=gen))
+    got = {}
+    for name, gain in (("plain", None), ("gain", lam)):
+        parts = (torch.nn.Parameter(qk0.clone()), torch.nn.Parameter(v0.clone()))
+        x = x0.clone().requires_grad_()
+        state = Fp8LinearState(grad_dtype=grad_dtype, grad_scale=grad_scale, backend="reference")
+        y = fp8_linear(x, parts, state, gain=gain)
+        y.backward(g)
+        got[name] = (y.detach(), x.grad, torch.cat([p.grad for p in parts]))
+    (y0, dx0, dw0), (y1, dx1, dw1) = got["plain"], got["gain"]
+    lam_v = lam.detach()
+    for a, b in ((y1, lam_v * y0), (dx1, lam_v * dx0), (dw1, lam_v * dw0)):
+        assert rel(a, b) < 1e-6  # the same products, the gain applied in fp32 once
+    w = torch.cat([qk0, v0])
+    assert lam.grad.item() == pytest.approx((dw0.double() * w.double()).sum().item(), rel=1e-5, abs=1e-9)
+    # the activation form autograd of y·λ would compute, within the FP8 operands' rounding
+    act = (g.double() * y0.double()).sum().item()
+    assert abs(lam.grad.item() - act) < 0.06 * (g.double().norm() * y0.double().norm()).item()
+    # eval mode: a plain matmul with the gain on the weight
+    state.eval()
+    with torch.no_grad():
+        assert rel(fp8_linear(x0, (qk0, v0), state, gain=lam), lam_v * (x0 @ w.t())) < 1e-6
+
+
 def test_quantize_rounds_to_nearest_and_saturates():
     x = torch.tensor([1.0, 1.0625, 1.0626, 1000.0, -1e9, 1e-9, 0.0])
     q = quantize(x, 1.0, E4M3).float()

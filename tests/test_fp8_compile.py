@@ -59,13 +59,15 @@ def test_opcheck_fp8_mlp_operators(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_opcheck_fp8_linear_operators(seed):
+@pytest.mark.parametrize("gain", [False, True])
+def test_opcheck_fp8_linear_operators(seed, gain):
     gen = torch.Generator().manual_seed(seed)
     state = Fp8LinearState(backend="reference")
     parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
     cache = state.refresh(parts)
     x = normed(20, 32, gen).requires_grad_()
-    args = (x, parts, *state.operator_args(cache))
+    lam = (0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None  # the QKV's λ₀
+    args = (x, parts, *state.operator_args(cache), lam)
     torch.library.opcheck(fp8_ops.fp8_linear_op, args, test_utils=OPCHECKS)
     y, xt = fp8_ops.fp8_linear_op(*args)
     torch.library.opcheck(fp8_ops.fp8_linear_backward, (torch.randn(y.shape, generator=gen), xt, cache.col,
@@ -107,22 +109,26 @@ def test_eager_mlp_twin_equals_the_operator(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_eager_linear_twin_equals_the_operator_with_the_weight_in_blocks(seed):
+@pytest.mark.parametrize("gain", [False, True])
+def test_eager_linear_twin_equals_the_operator_with_the_weight_in_blocks(seed, gain):
     gen = torch.Generator().manual_seed(seed)
     state = Fp8LinearState(backend="reference")
-    parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
+    parts = [fc_init(48, 32, gen).requires_grad_(), fc_init(16, 32, gen).requires_grad_()]
     x0 = normed(20, 32, gen)
     rest = state.operator_args(state.refresh(parts))
     g = torch.randn(20, 64, generator=gen)
+    lam = (0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None
     got = []
     for eager in (False, True):
         x = x0.clone().requires_grad_()
-        for p in parts:
-            p.grad = None
-        y, xt = fp8_ops._EagerLinear.apply(x, *rest, *parts) if eager else fp8_ops.fp8_linear_op(x, parts, *rest)
+        for t in (*parts, lam):
+            if t is not None:
+                t.grad = None
+        y, xt = (fp8_ops._EagerLinear.apply(x, *rest, lam, *parts) if eager
+                 else fp8_ops.fp8_linear_op(x, parts, *rest, lam))
         (y * g).sum().backward()
-        got.append((y, xt, x.grad, parts[0].grad, parts[1].grad))
-    for name, a, b in zip(("y", "xt", "dx", "dw[0]", "dw[1]"), *got):
+        got.append((y, xt, x.grad, parts[0].grad, parts[1].grad) + ((lam.grad,) if gain else ()))
+    for name, a, b in zip(("y", "xt", "dx", "dw[0]", "dw[1]", "dgain"), *got):
         assert torch.equal(a.float(), b.float()), name
     assert _producer(fp8_linear(x0.clone().requires_grad_(), parts, state)) == "_EagerLinearBackward"
 

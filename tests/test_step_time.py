@@ -109,6 +109,24 @@ def test_breakdown_sums_by_kind_and_names_the_elementwise_operations():
     assert ops["add"] == (2, 6.0) and ops["fill"] == (1, 2.0) and ops["copy"] == (1, 0.5)
 
 
+def test_the_kernel_table_gives_every_kernel_per_step_largest_first(tmp_path):
+    mod = _step_time()
+    # two steps: the add twice (6 us in all), the attention kernel once (9 us), the fill four times (2 us)
+    events = [(ADD, 0.0, 5.0), ("_dq_kernel", 10.0, 19.0), (ADD, 20.0, 21.0)]
+    events += [(FILL, t, t + 0.5) for t in (30, 31, 32, 33)]
+    rows = mod.kernel_table(events, steps=2)
+    assert [r[4] for r in rows] == ["_dq_kernel", ADD, FILL]
+    kind, per_step, ms, us, _ = rows[1]
+    assert kind == "ATen elementwise (unfused)" and per_step == 1.0 and ms == pytest.approx(3e-3) and us == 3.0
+    assert rows[0][:4] == ("attention", 0.5, pytest.approx(4.5e-3), 9.0)
+    path = tmp_path / "plain-kernels.tsv"
+    mod.write_kernel_table(events, 2, path)
+    lines = path.read_text().splitlines()
+    assert lines[0].split("\t") == ["kind", "launches_per_step", "ms_per_step", "us_per_launch", "name"]
+    assert len(lines) == 4 and lines[1].split("\t") == ["attention", "0.50", "0.0045", "9.00", "_dq_kernel"]
+    assert lines[3].split("\t")[4] == FILL  # the full name, however long
+
+
 def test_gpu_busy_time_is_the_union_of_the_intervals():
     # overlapping kernels count once, a gap counts nothing, an empty interval is skipped (microseconds in, seconds out)
     events = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 45.0, 45.0), ("e", 31.0, 33.0)]

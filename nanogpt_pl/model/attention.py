@@ -392,13 +392,15 @@ class CausalSelfAttention(nn.Module):
         s, n = self.spec, x.shape[0]
         parts = (live_rows(self.qk_w[0], s.num_heads, s.d_qk), live_rows(self.qk_w[1], s.num_heads, s.d_qk),
                  live_rows(self.v_w, s.num_heads, s.d_v))
+        # λ₀ scales the weights (RECORD §2 "scalars"), so its gradient is a sum over the weight,
+        # ⟨dW, W⟩ (RECORD §7), and no pass over the [N, out] product multiplies it afterwards
+        lam = self.lambdas[0]
         if s.fp8_qkv and self.training:
             from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
 
-            qkv = fp8_linear(x, self._fp8_blocks(), self.fp8_state)
+            qkv = fp8_linear(x, self._fp8_blocks(), self.fp8_state, gain=lam)  # λ₀ in the GEMMs' scales
         else:
-            qkv = x @ torch.cat(parts).type_as(x).t()
-        qkv = qkv * self.lambdas[0].type_as(qkv)  # λ₀ folded after the GEMM: the same product
+            qkv = x @ (torch.cat(parts) * lam).type_as(x).t()
         hq = s.num_heads * s.d_qk
         q, k, v = qkv.split((hq, hq, s.num_heads * s.d_v), dim=-1)
         return q.view(n, s.num_heads, s.d_qk), k.view(n, s.num_heads, s.d_qk), v.view(n, s.num_heads, s.d_v)

@@ -504,8 +504,10 @@ class GPT(nn.Module):
             x = x + gates["ngram"][0] * x0_ngram
         ctx = self._context(cu_seqlens, max_seqlen, windows, n, x.dtype)
         if value_rows is not None:
-            ve_of_layer = {layer: F.embedding(value_rows.index, value_rows.values[p]).to(x.dtype)
-                           for p, layer in enumerate(cfg.value_embed_layers)}
+            # one gather over all planes: its backward is one scatter into the leaf's [P, U, D]
+            # gradient (a gather per plane gave [U, D] gradients that a further pass stacked)
+            planes = value_rows.values[:, value_rows.index].to(x.dtype)
+            ve_of_layer = {layer: planes[p] for p, layer in enumerate(cfg.value_embed_layers)}
         else:
             ve_of_layer = {layer: F.embedding(input_ids, table).to(x.dtype)
                            for layer, table in zip(cfg.value_embed_layers, self.value_embeds)}

@@ -133,8 +133,9 @@ def _as_parts(weight: Union[Tensor, Sequence[Tensor]]) -> tuple[Tensor, ...]:
     return parts
 
 
-def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8LinearState) -> Tensor:
-    """``x @ weightᵀ`` with e4m3 operands forward and the state's gradient format backward.
+def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8LinearState,
+               gain: Optional[Tensor] = None) -> Tensor:
+    """``x @ (gain·weight)ᵀ`` with e4m3 operands forward and the state's gradient format backward.
 
     Args:
         x: ``[..., in]`` activations (bf16 on GPU).
@@ -142,6 +143,9 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
             ``out`` (e.g. ``(qk_w.flatten(0, 1), v_w)``): pass parameters or views of them,
             not a tensor recomputed every forward, or the FP8 cache is rebuilt every call.
         state: the layer's :class:`Fp8LinearState`; in eval mode this is a plain matmul.
+        gain: a 0-dim scalar on the weight (the QKV's λ₀), or None. In training it is folded into
+            the GEMMs' scales, and its gradient is ⟨dW, W⟩ over the weight (RECORD §7), not a
+            pass over the ``[..., out]`` output.
 
     Returns:
         ``[..., out]`` in ``x.dtype``.
@@ -155,12 +159,12 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight expects {parts[0].shape[1]}")
     if not state.training:
         w = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return F.linear(x, w.to(x.dtype))
+        return F.linear(x, (w if gain is None else w * gain).to(x.dtype))
     if state.graph_break and torch.compiler.is_compiling():
-        return _fp8_linear_outside_graph(x, weight, state)
+        return _fp8_linear_outside_graph(x, weight, state, gain)
     cache = state.current_cache() if torch.compiler.is_compiling() else state.refresh(parts)
     lead = x.shape[:-1]
-    y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), *state.operator_args(cache))
+    y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), *state.operator_args(cache), gain)
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -24,7 +24,7 @@ call (``benchmarks/fp8_mlp.py --host``) and gives the same numbers.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -84,16 +84,23 @@ def amax_probe(buffer: Tensor) -> Tensor:
 
 
 # -- linear: y = x @ Wᵀ ---------------------------------------------------------------------------
+def _gained(w_scale: Tensor, gain: Optional[Tensor]) -> Tensor:
+    """The weight's dequantization scale with the layer's gain folded in (``w_scale`` without one)."""
+    return w_scale if gain is None else w_scale * gain.float()
+
+
 def _linear_forward(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
                     w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
-                    grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                    grad_dtype: torch.dtype, gain: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(y [n, out] in x's dtype, xᵀ [in, rows] e4m3)``; ``parts`` (the weight's row blocks) only
-    receive the gradient, the GEMM reads the cache ``w_row``."""
+    receive the gradient, the GEMM reads the cache ``w_row``. ``gain`` (a 0-dim tensor, or None)
+    multiplies the weight: y = x @ (gain·W)ᵀ, with gain folded into the GEMM's weight scale, so no
+    pass over y multiplies it afterwards (RECORD §7: λ₀ on the QKV weights)."""
     n = x.shape[0]
     k, rows = _backend(kern, n)
     with torch.autocast(x.device.type, enabled=False):
         xq, xt = k.quant(x, x_inv, E4M3, rows, want_row=True, want_t=True)
-        y = k.mm(xq, w_row, x_scale, w_scale, x.dtype, True)
+        y = k.mm(xq, w_row, x_scale, _gained(w_scale, gain), x.dtype, True)
     y = _unpadded(y, n)
     return y, _own(xt, y)
 
@@ -102,7 +109,7 @@ fp8_linear_op = torch.library.custom_op("nanogpt_pl::fp8_linear", mutates_args=(
 
 
 @fp8_linear_op.register_fake
-def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype):
+def _(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain):
     _, rows = _backend(kern, x.shape[0])
     return x.new_empty((x.shape[0], w_row.shape[0])), _fp8_t(x.shape[1], rows, x, E4M3)
 
@@ -131,21 +138,31 @@ def _(gy, xt, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, w
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype = inputs
-    ctx.save_for_backward(output[1], w_col, x_scale, w_scale, grad_scale, grad_inv)
+    x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain = inputs
+    # with a gain, the weight itself too: the gain's gradient is ⟨dW, W⟩
+    ctx.save_for_backward(output[1], w_col, x_scale, w_scale, grad_scale, grad_inv, gain,
+                          *(parts if gain is not None else ()))
     ctx.kern, ctx.grad_dtype = kern, grad_dtype
     ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
 
 
 def _linear_backward(ctx, gy: Tensor, gxt: Tensor, backward=fp8_linear_backward):
-    xt, w_col, x_scale, w_scale, grad_scale, grad_inv = ctx.saved_tensors
-    dx, dw = backward(gy.contiguous(), xt, w_col, x_scale, w_scale, grad_scale, grad_inv, ctx.kern,
+    xt, w_col, x_scale, w_scale, grad_scale, grad_inv, gain, *parts = ctx.saved_tensors
+    # dx = gy @ (gain·W): the gain in the GEMM's scale; dW comes out without it (gyᵀx)
+    dx, dw = backward(gy.contiguous(), xt, w_col, x_scale, _gained(w_scale, gain), grad_scale, grad_inv, ctx.kern,
                       ctx.grad_dtype, ctx.part_meta[0][1])
+    dgain = None
+    if gain is not None:
+        # RECORD §7: the gain's gradient is ⟨dW, W⟩, a sum over the weight (not over the [n, out]
+        # activations, as autograd of y·gain would be); the weight's own gradient is gain·dW
+        w = parts[0] if len(parts) == 1 else torch.cat(parts)
+        dgain = (dw.float() * w.float()).sum().to(gain.dtype)
+        dw = dw * gain.to(dw.dtype)
     dparts, start = [], 0
     for size, dtype in ctx.part_meta:
         dparts.append(dw[start:start + size].to(dtype))
         start += size
-    return dx, dparts, None, None, None, None, None, None, None, None, None
+    return dx, dparts, None, None, None, None, None, None, None, None, None, dgain
 
 
 fp8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -157,8 +174,10 @@ class _EagerLinear(torch.autograd.Function):
     blocks come last, one argument each: autograd tracks tensor arguments, not lists."""
 
     @staticmethod
-    def forward(ctx, x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, *parts):
-        inputs = (x, list(parts), w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype)
+    def forward(ctx, x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain,
+                *parts):
+        inputs = (x, list(parts), w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype,
+                  gain)
         out = _linear_forward(*inputs)
         _linear_setup(ctx, inputs, out)
         ctx.mark_non_differentiable(out[1])
@@ -166,18 +185,19 @@ class _EagerLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, gxt):
-        dx, dparts = _linear_backward(ctx, gy, gxt, backward=_linear_backward_impl)[:2]
-        return (dx,) + (None,) * 9 + tuple(dparts)
+        dx, dparts, *_, dgain = _linear_backward(ctx, gy, gxt, backward=_linear_backward_impl)
+        return (dx,) + (None,) * 9 + (dgain,) + tuple(dparts)
 
 
 def fp8_linear_call(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor, x_scale: Tensor, x_inv: Tensor,
                     w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
-                    grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                    grad_dtype: torch.dtype, gain: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``fp8_linear_op``'s result: through the operator when compiling, else its eager twin."""
     if torch.compiler.is_compiling():
-        return fp8_linear_op(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype)
+        return fp8_linear_op(x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype,
+                             gain)
     return _EagerLinear.apply(x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype,
-                              *parts)
+                              gain, *parts)
 
 
 # -- MLP: relu(x @ w_fcᵀ)² @ w_proj -------------------------------------------------------------------
