@@ -93,6 +93,32 @@ def test_rotary_is_relative_and_norm_preserving():
     assert torch.allclose(apply_rotary(q, c, s).norm(), q.norm())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_full_width_rotation_equals_the_pairwise_formula_bit_for_bit(random_seed, dtype, per_head):
+    """The same products and sums in the same order, so equal in every dtype (bf16 rounds each
+    product and the sum the same way); per-head tables are the paired layers'."""
+    from nanogpt_pl.model.rotary import apply_rotary_reference
+
+    gen = torch.Generator().manual_seed(random_seed)
+    n, h, d = 37, 6, 64
+    rot = Rotary(d, 0.12)
+    rot.apply_yarn(384, 896)
+    positions = torch.randint(0, 3000, (n * h if per_head else n,), generator=gen)
+    cos, sin = rot.cos_sin(positions, torch.float32 if dtype == torch.bfloat16 else dtype)
+    if per_head:
+        cos, sin = cos.view(n, h, -1), sin.view(n, h, -1)
+    x = torch.randn(n, h, d, generator=gen).to(dtype)
+    for c, s in ((cos, sin), (cos.to(dtype), sin.to(dtype))):  # wider tables, and tables in x's dtype
+        got, want = apply_rotary(x, c, s), apply_rotary_reference(x, c, s)
+        assert got.dtype == want.dtype == dtype
+        assert torch.equal(got, want)
+    # a narrow layer's tables: the first d_qk / 2 pairs of a wider head's
+    xq = x[..., :32]
+    assert torch.equal(apply_rotary(xq, cos[..., :16], sin[..., :16]),
+                       apply_rotary_reference(xq, cos[..., :16], sin[..., :16]))
+
+
 def test_rotary_tables_are_built_once_under_compile():
     """The tables are an opaque operator: the compiled rotation reads them and computes no cos/sin
     of its own (fused in, the float64 trigonometry ran once per head, forward and backward), and

@@ -102,7 +102,23 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (one angle per token) or [N, H, head_dim // 2] (per token and head: paired layers).
 
     The result keeps ``x``'s dtype (tables in a wider dtype rotate in it, then round once).
+    :func:`apply_rotary_reference` is the formula pair by pair; this is the same products and sums
+    written at full width, y = x·(c, c) + swap(x)·(s, −s) with ``swap`` exchanging the two entries
+    of every pair: one pointwise expression with one store, which inductor compiles to a plain
+    kernel. The pairwise unbind and stack compiled to a kernel that loaded every element four times
+    under masks, beside the QK norm (BENCHMARKS.md "The QKV's λ₀ in the GEMM scales").
     """
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    full = (*cos.shape, 2)
+    c = cos.unsqueeze(-1).expand(full).flatten(-2)
+    s = torch.stack((sin, -sin), dim=-1).flatten(-2)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * c + swapped * s).to(x.dtype)
+
+
+def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rotary` pair by pair: (x₂ᵢ, x₂ᵢ₊₁) -> (x₂ᵢ·c + x₂ᵢ₊₁·s, x₂ᵢ₊₁·c − x₂ᵢ·s)."""
     x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
     if cos.dim() == 2:
         cos, sin = cos[:, None, :], sin[:, None, :]
