@@ -1,5 +1,5 @@
-"""The record's network on the GPU kernels (``auto``: varlen for (64, 64) heads, triton for the
-other layer kinds; and flex) against the masked-SDPA reference path, and its training step with FP8 on."""
+"""The record's network on the GPU kernels (``auto``: triton for every layer kind; varlen for the
+(64, 64) layers; and flex) against the masked-SDPA reference path, and its training step with FP8 on."""
 
 from __future__ import annotations
 

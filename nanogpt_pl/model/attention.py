@@ -15,8 +15,8 @@ Four kernels compute the same function:
 - ``triton``: our FlashAttention-2-style kernels (``nanogpt_pl.ops.triton.attention``); CUDA,
   any d_qk, d_v in {16, 32, 64, 128}.
 
-``auto`` picks, on CUDA, varlen for (64, 64) heads and triton for the other layer kinds
-(the fastest measured on the H200), and the reference on CPU. Layers whose value heads are wider than their query/key
+``auto`` picks, on CUDA, triton for every layer kind (in the whole training step, where it beat
+varlen on the (64, 64) layers too), and the reference on CPU. Layers whose value heads are wider than their query/key
 heads (RECORD §2 "narrow") run on flex even when varlen is asked for, because torch's
 varlen kernel needs d_qk == d_v.
 
@@ -63,17 +63,16 @@ def _varlen_fn():
     return varlen_attn
 
 
-# ``auto`` on CUDA, from ``benchmarks/attention.py`` on the H200 (fwd+bwd, 49,152 tokens, BENCHMARKS.md):
-# torch's varlen kernel is fastest for (64, 64) heads, our Triton kernel for every other layer kind.
-VARLEN_MAX_HEAD_DIM = 64
+# ``auto`` on CUDA is our Triton kernel for every layer kind. In ``benchmarks/attention.py`` alone
+# (one layer, fwd + bwd, 49,152 tokens) torch's varlen kernel tied or led for (64, 64) heads, but in
+# the stage-2 training step on an H100 the two (64, 64) layers on triton made the whole step 1.043x
+# faster than on varlen, same run (BENCHMARKS.md "The QKV's λ₀ in the GEMM scales").
 
 
-def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True,
-                    head_dim: Optional[int] = None) -> str:
+def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
     """Map ``auto`` to a concrete kernel and reject kernels the device cannot run.
 
-    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``;
-    ``head_dim`` (d_qk) lets ``auto`` pick per layer kind.
+    ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``.
     """
     if backend not in BACKENDS:
         hint = " (the plain-PyTorch path is 'reference')" if backend == "sdpa" else ""
@@ -81,9 +80,6 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        small = head_dim is None or head_dim <= VARLEN_MAX_HEAD_DIM
-        if same_head_dims and small and _varlen_fn() is not None:
-            return "varlen"
         if triton_usable(device):
             return "triton"
         return "varlen" if same_head_dims and _varlen_fn() is not None else "flex"
@@ -440,7 +436,7 @@ class CausalSelfAttention(nn.Module):
             v = v + self.gated_value_embed(x, ve)[..., : s.d_v]
         if extra_v is not None:
             v = v + extra_v[..., : s.d_v]
-        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v, head_dim=s.d_qk)
+        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v)
         window, scale = ctx.windows[s.chain], ctx.scales[s.chain]
         if s.paired:
             y = packed_attention(to_paired(q), to_paired(k), to_paired(v), 2 * ctx.cu_seqlens,
