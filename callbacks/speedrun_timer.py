@@ -119,7 +119,9 @@ class SpeedrunTimer(L.Callback):
     (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
     Before it, the CUDA graphs' ``cu_seqlens`` are sized from the run's whole batch plan
     (``reserve_cu_seqlens``), so a key has one shape whatever order the warmup visits it in.
-    While the clock runs, a step that runs a micro-batch eagerly (a key the warmup did not
+    A run resumed from a checkpoint (``global_step > 0``) has no warmup: the callbacks hold
+    restored state the warmup's reset would drop. Its graphs are sized the same way, and its keys
+    are captured on the clock. While the clock runs, a step that runs a micro-batch eagerly (a key the warmup did not
     capture) is one warning naming the new keys (``clock_eager_steps``); training ends (or
     fails) with one line: the median and slowest timed steps by host wall time.
     """
@@ -240,6 +242,10 @@ class SpeedrunTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == 0:
             self.run_warmup(trainer, pl_module)
+        else:
+            # a resumed run has no warmup: its keys are captured on the clock (one warning a step),
+            # but at the shapes of the whole plan, so none is captured twice as cu_seqlens grow
+            self._reserve_graph_shapes(trainer, pl_module)
         self._start(pl_module)
 
     def _start(self, pl_module: L.LightningModule) -> None:

@@ -215,6 +215,27 @@ def test_timer_ends_with_the_slowest_timed_steps(toy_files, tmp_path, caplog):
     assert "eagerly" not in lines[0]
 
 
+def test_a_resumed_run_sizes_the_graphs_for_the_plan_without_a_warmup():
+    """No warmup after a resume (callbacks hold restored state), but the CUDA graphs' inputs are still
+    sized from the whole batch plan before the clock starts, up to trainer.max_steps."""
+    plan = {512: 9, 1024: 17}
+    asked, reserved = [], []
+
+    def lengths_of(stop):
+        asked.append(stop)
+        return plan
+
+    timer = SpeedrunTimer(target=0.0)
+    timer.run_warmup = lambda *a: pytest.fail("a resumed run ran the warmup")
+    module = SimpleNamespace(device=torch.device("cpu"), reserve_cu_seqlens=reserved.append)
+    for max_steps, stop in ((-1, None), (40, 40)):
+        trainer = SimpleNamespace(global_step=7, max_steps=max_steps,
+                                  datamodule=SimpleNamespace(cu_seqlens_lengths=lengths_of))
+        timer.on_train_start(trainer, module)
+        timer._pause(module)
+    assert asked == [None, 40] and reserved == [plan, plan]
+
+
 class _SlowStep(L.Callback):
     def __init__(self, step: int, seconds: float):
         self.step, self.seconds = step, seconds
