@@ -326,6 +326,8 @@ class SpeedrunModule(L.LightningModule):
         for name in ("matrices", "embed", "lm_head", "value_embeds"):
             for p in roles[name]:
                 p.data = p.data.to(dtype)
+        # the activations take the embedding's dtype; no training segment is longer than a micro-batch
+        self.model.build_rotary_tables(max(st.seq_len for st in self.schedule.stages), dtype)
         self.sampler = SliceSamplers(self.gpt_config.vocab_size)
         graphs = cuda_graphs_active(self.cuda_graphs, device)
         if self.sparse_channels is None:

@@ -1,5 +1,6 @@
 """The GPT and its attention kernels on CPU."""
 
+import copy
 import math
 
 import pytest
@@ -119,6 +120,83 @@ def test_full_width_rotation_equals_the_pairwise_formula_bit_for_bit(random_seed
                        apply_rotary_reference(xq, cos[..., :16], sin[..., :16]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_built_rotary_tables_give_the_computed_rows_and_follow_omega(random_seed, dtype):
+    """Rows gathered from the tables equal the float64 computation rounded once, bit for bit, also
+    after a YaRN change (rebuilt in place) and after loading another omega; positions the tables do
+    not cover, another dtype, or a module converted to another dtype compute them instead."""
+    from nanogpt_pl.model.rotary import rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(random_seed)
+    rot = Rotary(128, 0.12)
+    rot.build_tables(500, dtype)
+    table_ptr = rot.cos_table.data_ptr()
+    positions = torch.randint(0, 500, (300,), generator=gen)
+
+    def uses_tables(r, bound):
+        """Whether the rows come from the tables: a row changed there shows in the result."""
+        with torch.no_grad():
+            saved = r.cos_table[positions[0]].clone()
+            r.cos_table[positions[0]] += 1
+            got = r.cos_sin(positions, dtype, bound=bound)[0][0]
+            r.cos_table[positions[0]] = saved
+        return not torch.equal(got, rotary_cos_sin(positions[:1], r.omega, dtype)[0][0])
+
+    def check(r, bound=500, used=True):
+        got = r.cos_sin(positions, dtype, bound=bound)
+        want = rotary_cos_sin(positions, r.omega, dtype)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert uses_tables(r, bound) == used
+
+    check(rot)
+    rot.apply_yarn(384, 896)  # rebuilt from the stretched omega, in place
+    assert rot.cos_table.data_ptr() == table_ptr
+    check(rot)
+    other = Rotary(128, 0.12)
+    other.apply_yarn(128, 640)
+    rot.load_state_dict(other.state_dict())
+    assert torch.equal(rot.omega, other.omega)
+    check(rot)
+    # uncovered positions (a validation segment longer than any training micro-batch) are computed
+    long_positions = torch.randint(0, 900, (300,), generator=gen)
+    got = rot.cos_sin(long_positions, dtype, bound=900)
+    assert torch.equal(got[0], rotary_cos_sin(long_positions, rot.omega, dtype)[0])
+    # another dtype or no bound: computed
+    wider = torch.float64
+    assert torch.equal(rot.cos_sin(positions, wider, bound=500)[0], rotary_cos_sin(positions, rot.omega, wider)[0])
+    check(rot, bound=None, used=False)
+    # module.to(dtype) keeps omega in float64 and the tables as built (a conversion would round them twice)
+    converted = copy.deepcopy(rot).to(torch.float16)
+    assert converted.omega.dtype == torch.float64 and converted.cos_table.dtype == dtype
+    check(converted)
+
+
+def test_a_model_with_rotary_tables_computes_what_it_computes_without(random_seed):
+    """Every chain's tables (the paired layers' at twice the length) leave the record network's
+    output and gradients exactly as they were."""
+    from tests.test_record_network import SMALL, ngram_input, speedrun_gpt
+
+    torch.manual_seed(random_seed)
+    model = GPT(speedrun_gpt(**SMALL))
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.attn is not None:
+                block.attn.o_w.normal_(std=0.05)
+    ids = torch.randint(0, 256, (40,))
+    cu = torch.tensor([0, 17, 40, 40], dtype=torch.int32)
+    runs = []
+    for tables in (False, True):
+        if tables:
+            model.build_rotary_tables(32, torch.float32)
+            assert all(r.cos_table.shape[0] == 64 for r in model.rotaries.values())  # paired: 2 x 32
+        model.zero_grad()
+        out = model(ids, cu, 23, (8, 16), ngram=ngram_input(ids, model.cfg.ngram_rows, model.cfg.model_dim))
+        out.square().sum().backward()
+        runs.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
 def test_rotary_tables_are_built_once_under_compile():
     """The tables are an opaque operator: the compiled rotation reads them and computes no cos/sin
     of its own (fused in, the float64 trigonometry ran once per head, forward and backward), and
@@ -144,6 +222,14 @@ def test_rotary_tables_are_built_once_under_compile():
         code = "\n".join(codes)
         assert "rotary_cos_sin" in code
         assert "cos(" not in code and "sin(" not in code
+        assert torch.equal(out, rotate(x, positions, cos_sin_reference))
+        # built tables: the compiled rotation gathers their rows, no operator and no trigonometry
+        rot.build_tables(3000, torch.float32)
+        torch._dynamo.reset()
+        out, codes = run_and_get_code(torch.compile(rotate, fullgraph=True), x, positions,
+                                      lambda p, o, d: rot.cos_sin(p, d, bound=3000))
+        code = "\n".join(codes)
+        assert "rotary_cos_sin" not in code and "cos(" not in code and "sin(" not in code
         assert torch.equal(out, rotate(x, positions, cos_sin_reference))
     finally:
         torch._dynamo.reset()

@@ -441,16 +441,24 @@ class GPT(nn.Module):
             pos2 = paired_positions(positions, self.cfg.num_heads).flatten()
             paired = {}
             for name in chains:
-                cos, sin = self.rotaries[name].cos_sin(pos2, dtype)
+                cos, sin = self.rotaries[name].cos_sin(pos2, dtype, bound=2 * max_seqlen)
                 paired[name] = (cos.view(n, self.cfg.num_heads, -1), sin.view(n, self.cfg.num_heads, -1))
         return PackedContext(
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
-            rotary={name: rot.cos_sin(positions, dtype) for name, rot in self.rotaries.items()},
+            rotary={name: rot.cos_sin(positions, dtype, bound=max_seqlen) for name, rot in self.rotaries.items()},
             windows={"short": windows[0], "long": windows[1]},
             scales={name: rot.attn_scale for name, rot in self.rotaries.items()},
             rotary_paired=paired,
         )
+
+    def build_rotary_tables(self, max_seqlen: int, dtype: torch.dtype) -> None:
+        """Tabulate every rotary chain's cos/sin for segments of up to ``max_seqlen`` tokens (twice
+        that at the paired layers' positions), in the activations' ``dtype``; longer segments, or
+        another dtype, compute them per forward as before (``Rotary.cos_sin``)."""
+        length = 2 * max_seqlen if self.cfg.paired_layers else max_seqlen
+        for rot in self.rotaries.values():
+            rot.build_tables(length, dtype)
 
     def _static_gates(self, x: Tensor) -> dict[str, dict[int, Tensor]]:
         gates: dict[str, dict[int, Tensor]] = {"x0": {}, "ngram": {}}

@@ -14,6 +14,7 @@ while keeping the angles small.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +50,41 @@ class Rotary(nn.Module):
         self.register_buffer("omega", omega, persistent=True)  # [head_dim // 2], fp64
         # a Python float (a GPU scalar would force a sync every forward); saved via extra state
         self.attn_scale = float(attn_scale)
+        # cos/sin at every position below their length (build_tables); empty until built. Not
+        # saved: rebuilt from omega whenever it changes (apply_yarn, load_state_dict)
+        self.register_buffer("cos_table", torch.empty(0, head_dim // 2), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0, head_dim // 2), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, keys: module._rebuild_tables())
+
+    @torch.no_grad()
+    def build_tables(self, length: int, dtype: torch.dtype) -> None:
+        """Tabulate cos/sin at positions ``0 .. length - 1`` in ``dtype``, so that :meth:`cos_sin`
+        gathers rows instead of computing float64 trigonometry for every token of every forward
+        (three ``[N, head_dim / 2]`` tables a micro-batch, 2.7 ms of a stage-2 step on an H100:
+        BENCHMARKS.md). Rebuilt in place while the length and dtype stay, so a CUDA graph that
+        reads the tables keeps reading the current ones."""
+        positions = torch.arange(length, device=self.omega.device)
+        cos, sin = cos_sin_reference(positions, self.omega, dtype)
+        if self.cos_table.shape == cos.shape and self.cos_table.dtype == dtype:
+            self.cos_table.copy_(cos)
+            self.sin_table.copy_(sin)
+        else:
+            self.cos_table, self.sin_table = cos, sin
+
+    def _rebuild_tables(self) -> None:
+        if self.cos_table.shape[0]:
+            self.build_tables(self.cos_table.shape[0], self.cos_table.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """``module.to``, ``.cuda()``, ``.bfloat16()``...: the buffers follow the device but keep their
+        dtypes (omega in float64; the tables as built, which a conversion would round a second time)."""
+        kept = {name: getattr(self, name) for name in ("omega", "cos_table", "sin_table")}
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return out
 
     @torch.no_grad()
     def apply_yarn(self, old_window: int, new_window: int) -> None:
@@ -60,6 +96,7 @@ class Rotary(nn.Module):
         gamma = ((r - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
         self.omega.mul_(s + gamma * (1 - s))
         self.attn_scale *= 1 + YARN_SCALE_SLOPE * math.log(new_window / old_window)
+        self._rebuild_tables()
 
     def get_extra_state(self) -> dict:
         return {"attn_scale": self.attn_scale}
@@ -67,8 +104,15 @@ class Rotary(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         self.attn_scale = float(state["attn_scale"])
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin tables [N, head_dim // 2] for integer ``positions`` [N] (see :func:`rotary_cos_sin`)."""
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype, bound: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """cos/sin tables [N, head_dim // 2] for integer ``positions`` [N] (see :func:`rotary_cos_sin`).
+
+        ``bound`` (a Python int, every position below it) lets the rows come from the built tables
+        when they are long enough and in ``dtype``: the same values, bit for bit, as computing them.
+        """
+        table = self.cos_table
+        if bound is not None and table.dtype == dtype and table.shape[0] >= bound and table.device == positions.device:
+            return self.cos_table[positions], self.sin_table[positions]
         return rotary_cos_sin(positions, self.omega, dtype)
 
 
