@@ -46,7 +46,8 @@ right after this tree's plain loop, and the report gives baseline / plain within
 
 ``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), every GPU kernel by its full name with
-its launches and time per step in ``DIR/<loop>-kernels.tsv``, the top operations on stderr,
+its launches and time per step in ``DIR/<loop>-kernels.tsv`` (``benchmarks/kernel_sources.py`` joins it with
+the run's ``TORCH_LOGS=output_code`` log: what each inductor kernel fuses), the top operations on stderr,
 per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
 GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
 kernels, unfused ATen elementwise kernels by operation, copies), and the host's side: per phase
