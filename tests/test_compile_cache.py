@@ -1,0 +1,90 @@
+"""callbacks.compile_cache.CompileCache: torch.compile's caches carried to a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from callbacks.compile_cache import CompileCache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# one compile in a process whose inductor cache directory is its own (a fresh machine's), with the
+# callback around it as a training run has it: setup, then the compile, then the end of training
+CHILD = r"""
+import sys
+from types import SimpleNamespace
+
+import torch
+from torch._dynamo.utils import counters
+
+from callbacks.compile_cache import CompileCache
+
+cache = CompileCache(sys.argv[1])
+cache.setup(None, None, "fit")
+fn = torch.compile(lambda x: (x.sin() * 2 + x.cos()).sum(1))
+fn(torch.randn(8, 16))
+hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+cache.on_train_end(SimpleNamespace(is_global_zero=True), None)
+print("RESULT", hits, misses, cache.loaded is not None, cache.saved is not None)
+"""
+
+
+def _child(path: Path, inductor_dir: Path) -> tuple[int, int, bool, bool]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    _, hits, misses, loaded, saved = lines[-1].split()
+    return int(hits), int(misses), loaded == "True", saved == "True"
+
+
+@pytest.mark.slow
+def test_a_fresh_process_loads_what_the_last_one_compiled(tmp_path):
+    path = tmp_path / "compile_cache.gz"
+    # the first run compiles (a miss in its empty cache directory) and writes the file
+    hits, misses, loaded, saved = _child(path, tmp_path / "inductor_a")
+    assert (hits, loaded, saved) == (0, False, True) and misses >= 1 and path.read_bytes()[:2] == b"\x1f\x8b"
+    # a second process with another empty cache directory finds every graph in the loaded artifacts
+    hits, misses, loaded, saved = _child(path, tmp_path / "inductor_b")
+    assert loaded and saved and hits >= 1 and misses == 0
+
+
+def test_an_unreadable_file_warns_once_and_the_run_compiles(tmp_path):
+    path = tmp_path / "cache.gz"
+    path.write_bytes(b"not a cache")
+    cache = CompileCache(str(path), save=False)
+    # torch's reader rejects it (a checksum) and loads nothing: one warning naming the file
+    with pytest.warns(UserWarning, match=f"CompileCache: {path} .*compiles from scratch"):
+        cache.setup(None, None, "fit")
+    assert cache.loaded is None
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        cache.setup(None, None, "validate")  # once per process: no second warning, nothing raised
+    assert not again
+
+
+def test_only_global_rank_zero_saves_and_save_false_saves_nothing(tmp_path):
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 3 + 1)(torch.randn(4))  # something compiled in this process
+    for cache, rank_zero in ((CompileCache(str(tmp_path / "a.gz")), False),
+                             (CompileCache(str(tmp_path / "b.gz"), save=False), True)):
+        cache.on_train_end(SimpleNamespace(is_global_zero=rank_zero), None)
+        assert cache.saved is None and not cache.path.exists()
+    cache = CompileCache(str(tmp_path / "sub" / "c.gz"))
+    cache.on_train_end(SimpleNamespace(is_global_zero=True), None)
+    assert cache.saved is not None and cache.path.is_file() and not cache.path.with_name("c.gz.tmp").exists()
+    torch._dynamo.reset()
+
+
+def test_an_empty_path_is_one_clear_error():
+    with pytest.raises(ValueError, match="CompileCache.path is empty"):
+        CompileCache("")
