@@ -8,9 +8,9 @@ same machine's next run compiles in a fraction of that time, and a fresh machine
 the cache artifacts saved in ``path`` (``torch.compiler.load_cache_artifacts``): inductor's
 compiled graphs with their Triton kernels, AOTAutograd's graphs, and autotuning results. At the
 end of training, global rank 0 writes everything this process compiled or loaded
-(``torch.compiler.save_cache_artifacts``) to ``path``, gzip-compressed. It writes to a temporary
-file first and then renames it, so an interrupted save leaves the old file whole. Copy the file
-to the next machine and name it again:
+(``torch.compiler.save_cache_artifacts``) to ``path``, gzip-compressed; a run that fails with an
+exception saves too. It writes to a temporary file first and then renames it, so an interrupted
+save leaves the old file whole. Copy the file to the next machine and name it again:
 
     python main.py fit --config configs/speedrun_1gpu.yaml \\
         --trainer.callbacks+=callbacks.compile_cache.CompileCache --trainer.callbacks.path compile_cache.gz
@@ -109,8 +109,12 @@ class CompileCache(L.Callback):
             rank_zero_info(f"CompileCache: {self.path} does not exist yet; this run compiles from scratch and "
                            + ("writes it at the end of training" if self.save else "does not write it (save=False)"))
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A run that fails after compiling (out of memory, a non-finite loss) still keeps its compiles."""
+        self.on_train_end(trainer, pl_module)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.save or not trainer.is_global_zero:
+        if not self.save or not trainer.is_global_zero or self.saved is not None:
             return
         self.saved = save_artifacts(self.path)
         if self.saved is not None:

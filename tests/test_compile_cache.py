@@ -80,7 +80,7 @@ def test_only_global_rank_zero_saves_and_save_false_saves_nothing(tmp_path):
         cache.on_train_end(SimpleNamespace(is_global_zero=rank_zero), None)
         assert cache.saved is None and not cache.path.exists()
     cache = CompileCache(str(tmp_path / "sub" / "c.gz"))
-    cache.on_train_end(SimpleNamespace(is_global_zero=True), None)
+    cache.on_exception(SimpleNamespace(is_global_zero=True), None, torch.OutOfMemoryError())  # a failed run saves
     assert cache.saved is not None and cache.path.is_file() and not cache.path.with_name("c.gz.tmp").exists()
     torch._dynamo.reset()
 
