@@ -38,7 +38,9 @@ print("RESULT", hits, misses, cache.loaded is not None, cache.saved is not None)
 
 
 def _child(path: Path, inductor_dir: Path) -> tuple[int, int, bool, bool]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(ROOT)}
+    # one compile thread: no pool of compile workers to start for one small kernel
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
