@@ -121,9 +121,9 @@ class SpeedrunTimer(L.Callback):
     (``reserve_cu_seqlens``), so a key has one shape whatever order the warmup visits it in.
     A run resumed from a checkpoint (``global_step > 0``) has no warmup: the callbacks hold
     restored state the warmup's reset would drop. Its graphs are sized the same way, and its keys
-    are captured on the clock. While the clock runs, a step that runs a micro-batch eagerly (a key the warmup did not
-    capture) is one warning naming the new keys (``clock_eager_steps``); training ends (or
-    fails) with one line: the median and slowest timed steps by host wall time.
+    are captured on the clock. While the clock runs, a step that runs a micro-batch eagerly (a key
+    the warmup did not capture) is one warning naming the new keys (``clock_eager_steps``);
+    training ends (or fails) with one line: the median and slowest timed steps by host wall time.
     """
 
     def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,

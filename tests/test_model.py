@@ -174,14 +174,11 @@ def test_built_rotary_tables_give_the_computed_rows_and_follow_omega(random_seed
 def test_a_model_with_rotary_tables_computes_what_it_computes_without(random_seed):
     """Every chain's tables (the paired layers' at twice the length) leave the record network's
     output and gradients exactly as they were."""
-    from tests.test_record_network import SMALL, ngram_input, speedrun_gpt
+    from tests.test_record_network import SMALL, ngram_input, open_attention_outputs, speedrun_gpt
 
     torch.manual_seed(random_seed)
     model = GPT(speedrun_gpt(**SMALL))
-    with torch.no_grad():
-        for block in model.blocks:
-            if block.attn is not None:
-                block.attn.o_w.normal_(std=0.05)
+    open_attention_outputs(model)
     ids = torch.randint(0, 256, (40,))
     cu = torch.tensor([0, 17, 40, 40], dtype=torch.int32)
     runs = []

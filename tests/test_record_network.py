@@ -69,6 +69,14 @@ def ngram_input(ids: torch.Tensor, rows: int, dim: int) -> NgramInput:
     return NgramInput(values=values, index=ngram_row_ids(ids, rows), sign_rows=ngram_sign_rows(ids))
 
 
+@torch.no_grad()
+def open_attention_outputs(model: GPT) -> None:
+    """Draw the zero-initialized W_O of every attention layer, so attention reaches the output."""
+    for block in model.blocks:
+        if block.attn is not None:
+            block.attn.o_w.normal_(std=0.05)
+
+
 def speedrun_gpt(**kw) -> GPTConfig:
     return GPTConfig(**{**SPEEDRUN["model"]["gpt"], **kw})
 
@@ -166,10 +174,7 @@ def test_parameter_counts_per_family_at_the_record_dims():
 def test_dead_rows_are_drawn_and_get_no_gradient(small_model):
     torch.manual_seed(3)
     model = GPT(small_model.cfg)
-    with torch.no_grad():
-        for block in model.blocks:
-            if block.attn is not None:
-                block.attn.o_w.normal_(std=0.05)
+    open_attention_outputs(model)
     ids = torch.randint(0, 256, (48,))
     cu = torch.tensor([0, 20, 48, 48], dtype=torch.int32)
     ngram = ngram_input(ids, model.cfg.ngram_rows, model.cfg.model_dim)
