@@ -114,6 +114,10 @@ class SpeedrunTimer(L.Callback):
         stop_at_target: stop training once a validation reaches the target.
         warmup_order: ``largest_first`` (default) or ``schedule``: the order of the chosen
             warmup steps (:func:`default_warmup_steps`).
+        warmup_only: run the warmup, then end the run before its first step (no clock, no
+            validation, no checkpoint): it fills a fresh machine's compile caches (and, with
+            ``callbacks.compile_cache.CompileCache``, that callback's file) for the timed run that
+            follows. ``python main.py fit ... --warmup_only true`` sets it.
 
     On a GPU the warmup ends with one line: its steps and seconds, and the memory it left
     (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
@@ -128,11 +132,12 @@ class SpeedrunTimer(L.Callback):
 
     def __init__(self, warmup_steps: Optional[list[int]] = None, warmup_limit: int = 40,
                  target: float = RECORD_TARGET, stop_at_target: bool = True,
-                 warmup_order: str = "largest_first") -> None:
+                 warmup_order: str = "largest_first", warmup_only: bool = False) -> None:
         check_warmup_order(warmup_order)  # at construction: the config's error, before any model is built
         self.warmup_steps = warmup_steps
         self.warmup_limit = warmup_limit
         self.warmup_order = warmup_order
+        self.warmup_only = warmup_only
         self.warmup_memory: dict[str, float] = {}
         self.target = target
         self.stop_at_target = stop_at_target
@@ -240,6 +245,15 @@ class SpeedrunTimer(L.Callback):
 
     # -- clock -----------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.warmup_only:
+            if trainer.global_step > 0:
+                raise ValueError("SpeedrunTimer warmup_only: a resumed run (global_step "
+                                 f"{trainer.global_step}) has no warmup; drop --warmup_only or --ckpt_path")
+            steps = self.run_warmup(trainer, pl_module)
+            rank_zero_info(f"speedrun timer: warmup_only, {len(steps)} warmup steps run; training ends before "
+                           "its first step")
+            trainer.should_stop = True
+            return
         if trainer.global_step == 0:
             self.run_warmup(trainer, pl_module)
         else:

@@ -196,6 +196,9 @@ class SpeedrunCLI(LightningCLI):
         parser.add_class_arguments(Schedule, "schedule", fail_untyped=False)
         parser.link_arguments("schedule", "model.schedule", apply_on="instantiate")
         parser.link_arguments("schedule", "data.schedule", apply_on="instantiate")
+        parser.add_argument("--warmup_only", type=bool, default=False,
+                            help="fit: run the SpeedrunTimer's untimed warmup, then stop before the first step "
+                                 "(fills a fresh machine's compile caches, and CompileCache's file, for a timed run)")
 
     def parse_arguments(self, parser, args) -> None:
         # (LightningCLI's version warns whenever args are given while sys.argv has any: main() always gives them)
@@ -214,8 +217,22 @@ class SpeedrunCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._resolve_checkpoint()
+        if self.config_init[self.subcommand].get("warmup_only"):
+            from callbacks.speedrun_timer import SpeedrunTimer  # (the callbacks package imports nanogpt_pl)
+
+            timers = [cb for cb in self.trainer.callbacks if isinstance(cb, SpeedrunTimer)]
+            if not timers:
+                raise UserError("--warmup_only needs the SpeedrunTimer in trainer.callbacks (its warmup is what "
+                                "runs); add --trainer.callbacks+=callbacks.speedrun_timer.SpeedrunTimer")
+            for timer in timers:
+                timer.warmup_only = True
+            for cb in self.trainer.checkpoint_callbacks:  # no step is trained: nothing to keep
+                if isinstance(cb, ModelCheckpoint):
+                    cb.save_last = False
 
     def before_validate(self) -> None:
+        if self.config_init[self.subcommand].get("warmup_only"):
+            raise UserError("--warmup_only is for fit (a warmup trains); drop it from validate")
         self._resolve_checkpoint()
         ckpt = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt and Path(ckpt).is_file():

@@ -131,8 +131,8 @@ class RunControl(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
-        if not self.saved:  # the data ended before the schedule did
-            self.saved = save_last(trainer)
+        if not self.saved and trainer.global_step > 0:  # the data ended before the schedule did
+            self.saved = save_last(trainer)  # (a run that trained no step, e.g. --warmup_only, has nothing to keep)
 
     # -- progress-bar total ------------------------------------------------------------
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,

@@ -330,3 +330,30 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
                   tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert ckpt_step(tmp_path / stopped.group(2)) == step + 1
+
+
+TIMER = {"class_path": "callbacks.speedrun_timer.SpeedrunTimer", "init_args": {"target": 0.0}}
+
+
+def test_warmup_only_runs_the_warmup_and_stops_before_the_first_step(tmp_path, toy_files, toy_config, run_cli):
+    """``--warmup_only true``: the timer's warmup runs its steps, then the run ends at step 0 with no clock,
+    no validation and no checkpoint (the machine's compile caches are what it leaves)."""
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT + [TIMER]})
+    out = run_cli(["fit", "--config", str(cfg), "--warmup_only", "true"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = re.search(r"speedrun timer: warmup_only, (\d+) warmup steps run", out.stderr + out.stdout)
+    assert said and int(said[1]) >= 2, (out.stderr + out.stdout)[-3000:]
+    assert not list(tmp_path.rglob("*.ckpt"))
+    rows = [r for p in tmp_path.rglob("metrics.csv") for r in csv.DictReader(open(p))]
+    assert not [r for r in rows if r.get("val/loss") or r.get("train/loss")], rows
+    assert "speedrun/train_time_s" not in {k for r in rows for k, v in r.items() if v}
+
+
+def test_warmup_only_without_the_timer_or_with_validate_is_one_line(tmp_path, toy_files, toy_config):
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT})
+    code, _, stderr = cli_in_process(["fit", "--config", str(cfg), "--warmup_only", "true"], tmp_path)
+    assert code == 1 and "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "--warmup_only needs the SpeedrunTimer" in last and "--trainer.callbacks+=" in last
+    code, _, stderr = cli_in_process(["validate", "--config", str(cfg), "--warmup_only", "true"], tmp_path)
+    assert code == 1 and "--warmup_only is for fit" in stderr.strip().splitlines()[-1]
