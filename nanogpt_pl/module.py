@@ -429,7 +429,12 @@ class SpeedrunModule(L.LightningModule):
         Every value is a pure function of the step (``schedule.py``), so a resumed run applies
         exactly what the straight run would have. YaRN fires when the windows of ``step`` differ
         from those of ``previous_step`` (default ``step - 1``), the step whose windows the rotary
-        state currently reflects (the speedrun timer's warmup visits steps out of order).
+        state currently reflects. A YaRN change multiplies onto the rotary state, so that state
+        depends on the path of window changes: when ``previous_step`` is not ``step - 1`` (the
+        speedrun timer's warmup visits steps out of order) the rotaries are reset and the
+        schedule's window changes up to ``step`` replayed in order, giving them the straight run's
+        frequencies and softmax scales bit for bit (a warmup that kept another path's scales would
+        compile and capture for values the run never uses).
         """
         sched = self.schedule
         self.set_lr_scale(sched.lr_mul(step))
@@ -437,8 +442,11 @@ class SpeedrunModule(L.LightningModule):
         short, long = sched.windows(step)
         if previous_step is None:
             previous_step = step - 1
-        prev = sched.windows(previous_step) if previous_step >= 0 else (short, long)
-        self.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
+        if previous_step == step - 1:
+            prev = sched.windows(previous_step) if previous_step >= 0 else (short, long)
+            self.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
+        else:
+            self.replay_windows(step)
         self.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
         self.set_active_parts(self.active_parts_for(step))
         self.set_tied(sched.tied(step), untie_now=step > 0 and sched.tied(step - 1) and not sched.tied(step))
@@ -475,6 +483,20 @@ class SpeedrunModule(L.LightningModule):
             self.model.rotaries["short"].apply_yarn(yarn_from[0], short)
             self.model.rotaries["long"].apply_yarn(yarn_from[1], long)
         self.settings.windows = (short, long)
+
+    def replay_windows(self, step: int) -> None:
+        """Set the rotary state of ``step`` as the straight run reaches it: reset, then every window
+        change of the schedule from step 1 to ``step`` in order."""
+        for rotary in self.model.rotaries.values():
+            rotary.reset_yarn()
+        sched = self.schedule
+        windows = sched.windows(0)
+        for s in range(1, step + 1):
+            new = sched.windows(s)
+            if new != windows:
+                self.set_windows(*new, yarn_from=windows)
+                windows = new
+        self.settings.windows = tuple(windows)
 
     def set_loss_options(self, candidates: Optional[int], mtp_weights: list[float], prefix_weight: float) -> None:
         """Sampled-softmax candidate count (None = full), multi-token weights, prefix-loss weight."""

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_optim, tiny_schedule
 
 from callbacks.ema import TailAveraging, TailTrack, record_tracks
 from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps
 from callbacks.throughput import SpeedrunThroughput
+from nanogpt_pl.module import SpeedrunModule
 from nanogpt_pl.schedule import Schedule, Stage
 
 # -- tail averaging against a plain reference ------------------------------------------------
@@ -280,3 +281,37 @@ def test_throughput_on_a_gpu_reads_events_and_counts_every_step(toy_files, tmp_p
     assert (meter.steps, meter.micro_batches, meter.tokens) == (steps, 2 * steps, 1024 * steps)
     assert list(meter.meter._batches) == list(range(steps - window + 1, steps + 1))
     assert meter.meter.compute()["device/items_per_sec"] > 0
+
+
+def _rotary_state(module) -> dict:
+    return {name: (rot.attn_scale, rot.omega.clone()) for name, rot in module.model.rotaries.items()}
+
+
+def test_the_warmups_out_of_order_visits_see_the_straight_runs_rotary_state():
+    """The timer's warmup visits the record's schedule out of order (stage 2 first, step 0 last). YaRN
+    multiplies onto the rotary state, so each visit must find the frequencies and softmax scales the
+    straight run has at that step, bit for bit: a key compiled and captured at another path's scale
+    is compiled and captured again on the clock (on an H100, 3 recompiles of ~33 s at the stage starts)."""
+    schedule = Schedule()  # the record's: windows change at steps 320, 681 and later (RECORD §9)
+    module = SpeedrunModule(gpt=tiny_gpt(), optim=tiny_optim(), schedule=schedule)
+    module.use_plain_optimizer(module.configure_optimizers())
+    start = _rotary_state(module)
+    visits = default_warmup_steps(schedule)
+    assert visits[0] > 681 and visits[-1] == 7  # out of order: a stage-2 run first, the prefix last
+    straight, wanted = {}, set(visits)
+    for step in range(max(visits) + 1):
+        module.apply_schedule(step)
+        if step in wanted:
+            straight[step] = _rotary_state(module)
+    assert straight[max(visits)]["short"][0] > start["short"][0]  # YaRN changed the scale on the way
+    previous = 0
+    for step in [0] + visits:
+        module.apply_schedule(step, previous_step=previous)
+        got = _rotary_state(module) if step else start
+        for name, (scale, omega) in (straight[step] if step in straight else start).items():
+            assert got[name][0] == scale and torch.equal(got[name][1], omega), (step, name)
+        previous = step
+    # the timer's restore: back to step 0 from the last visit, as a fresh module has it
+    module.apply_schedule(0, previous_step=previous)
+    for name, (scale, omega) in start.items():
+        assert module.model.rotaries[name].attn_scale == scale and torch.equal(module.model.rotaries[name].omega, omega)

@@ -42,19 +42,33 @@ class Rotary(nn.Module):
         if rot_dim % 2:
             raise ValueError(f"head_dim {head_dim} must be even for rotary embeddings")
         pairs = rot_dim // 2
-        exponent = torch.arange(pairs, dtype=torch.float64) / max(1, pairs - 1)
-        omega = BASE_FREQ**exponent
-        omega = torch.cat([omega, omega.new_zeros(head_dim // 2 - pairs)])
         self.head_dim = head_dim
         self.rot_pairs = pairs
-        self.register_buffer("omega", omega, persistent=True)  # [head_dim // 2], fp64
+        self.register_buffer("omega", self._base_omega(), persistent=True)  # [head_dim // 2], fp64
         # a Python float (a GPU scalar would force a sync every forward); saved via extra state
         self.attn_scale = float(attn_scale)
+        self.base_attn_scale = float(attn_scale)
         # cos/sin at every position below their length (build_tables); empty until built. Not
         # saved: rebuilt from omega whenever it changes (apply_yarn, load_state_dict)
         self.register_buffer("cos_table", torch.empty(0, head_dim // 2), persistent=False)
         self.register_buffer("sin_table", torch.empty(0, head_dim // 2), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, keys: module._rebuild_tables())
+
+    def _base_omega(self) -> Tensor:
+        """The frequencies before any YaRN change: BASE_FREQ^(i / (pairs - 1)), zeros past ``rot_pairs``."""
+        exponent = torch.arange(self.rot_pairs, dtype=torch.float64) / max(1, self.rot_pairs - 1)
+        omega = BASE_FREQ**exponent
+        return torch.cat([omega, omega.new_zeros(self.head_dim // 2 - self.rot_pairs)])
+
+    @torch.no_grad()
+    def reset_yarn(self) -> None:
+        """Back to the state before any YaRN change (the frequencies and softmax scale of construction),
+        in place: a YaRN change multiplies onto the current state, so the state of a schedule step
+        depends on the path of window changes that led to it (:meth:`SpeedrunModule.apply_schedule`
+        replays the schedule's own path from here when it jumps)."""
+        self.omega.copy_(self._base_omega())
+        self.attn_scale = self.base_attn_scale
+        self._rebuild_tables()
 
     @torch.no_grad()
     def build_tables(self, length: int, dtype: torch.dtype) -> None:
