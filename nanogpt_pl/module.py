@@ -288,6 +288,8 @@ class SpeedrunModule(L.LightningModule):
         self.sparse_channels: Optional[SparseChannels] = None
         self._world = (1, 0)  # (world size, rank), set by prepare_for_training
         self._plain_optimizer: Optional[CombinedOptimizer] = None
+        # the schedule step whose window path the rotary state reflects (apply_schedule); -1: none yet
+        self._rotary_step = -1
         self._prefix: Optional[np.ndarray] = None  # the prefix-token table (RECORD §2), built on first use
         # restored from a checkpoint before setup builds what they belong to
         self._pending_sparse_state: Optional[dict[str, Any]] = None
@@ -428,25 +430,27 @@ class SpeedrunModule(L.LightningModule):
 
         Every value is a pure function of the step (``schedule.py``), so a resumed run applies
         exactly what the straight run would have. YaRN fires when the windows of ``step`` differ
-        from those of ``previous_step`` (default ``step - 1``), the step whose windows the rotary
-        state currently reflects. A YaRN change multiplies onto the rotary state, so that state
-        depends on the path of window changes: when ``previous_step`` is not ``step - 1`` (the
-        speedrun timer's warmup visits steps out of order) the rotaries are reset and the
-        schedule's window changes up to ``step`` replayed in order, giving them the straight run's
-        frequencies and softmax scales bit for bit (a warmup that kept another path's scales would
-        compile and capture for values the run never uses).
+        from those of the step before. A YaRN change multiplies onto the rotary state, so that
+        state depends on the path of window changes: unless the rotary state is that of ``step - 1``
+        (``previous_step``, by default the step this method last applied), the rotaries are reset
+        and the schedule's window changes up to ``step`` replayed in order. Every visit, in any
+        order (the speedrun timer's warmup visits steps out of order, a benchmark starts at a later
+        stage, a resumed run at its checkpoint's step), then sees the straight run's frequencies
+        and softmax scales bit for bit: a warmup at another path's scales would compile and capture
+        for values the run never uses.
         """
         sched = self.schedule
         self.set_lr_scale(sched.lr_mul(step))
         self.set_momentum(sched.momentum(step))
         short, long = sched.windows(step)
         if previous_step is None:
-            previous_step = step - 1
-        if previous_step == step - 1:
-            prev = sched.windows(previous_step) if previous_step >= 0 else (short, long)
+            previous_step = self._rotary_step
+        if previous_step == step - 1 and step > 0:
+            prev = sched.windows(previous_step)
             self.set_windows(short, long, yarn_from=prev if prev != (short, long) else None)
         else:
             self.replay_windows(step)
+        self._rotary_step = step
         self.set_loss_options(sched.candidates(step), sched.mtp_weights(step), sched.prefix_weight(step))
         self.set_active_parts(self.active_parts_for(step))
         self.set_tied(sched.tied(step), untie_now=step > 0 and sched.tied(step - 1) and not sched.tied(step))
@@ -759,6 +763,7 @@ class SpeedrunModule(L.LightningModule):
             "optimizer": _host_copy(self._combined().state_dict()),
             "sampler": None if self.sampler is None else copy.deepcopy(self.sampler.state_dict()),
             "settings": copy.deepcopy(self.settings),
+            "rotary_step": self._rotary_step,
             # a record-size n-gram shard is not copied: before any sparse event it is all zeros
             "sparse": None if self.sparse_channels is None or self.sparse_channels.pristine()
             else copy.deepcopy(self.sparse_channels.state_dict()),
@@ -776,6 +781,7 @@ class SpeedrunModule(L.LightningModule):
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.settings = copy.deepcopy(state["settings"])
+        self._rotary_step = state.get("rotary_step", -1)
         self._prefix = None  # RECORD §11: the prefix-table build is on the clock, so the timed run rebuilds it
         if self.sparse_channels is not None:
             if state.get("sparse") is None:

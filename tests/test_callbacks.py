@@ -315,3 +315,14 @@ def test_the_warmups_out_of_order_visits_see_the_straight_runs_rotary_state():
     module.apply_schedule(0, previous_step=previous)
     for name, (scale, omega) in start.items():
         assert module.model.rotaries[name].attn_scale == scale and torch.equal(module.model.rotaries[name].omega, omega)
+    # without previous_step the module knows which step its rotary state reflects: a benchmark that
+    # starts at stage 2's first step, and steps on from there, sees the straight run's state too
+    for step in (681, 682):
+        module.apply_schedule(step)
+    fresh = SpeedrunModule(gpt=tiny_gpt(), optim=tiny_optim(), schedule=schedule)
+    fresh.use_plain_optimizer(fresh.configure_optimizers())
+    for step in range(683):
+        fresh.apply_schedule(step)
+    for name, (scale, omega) in _rotary_state(fresh).items():
+        got = module.model.rotaries[name]
+        assert got.attn_scale == scale and torch.equal(got.omega, omega), name
