@@ -8,12 +8,18 @@ same machine's next run compiles in a fraction of that time, and a fresh machine
 the cache artifacts saved in ``path`` (``torch.compiler.load_cache_artifacts``): inductor's
 compiled graphs with their Triton kernels, AOTAutograd's graphs, and autotuning results. At the
 end of training, global rank 0 writes everything this process compiled or loaded
-(``torch.compiler.save_cache_artifacts``) to ``path``, gzip-compressed; a run that fails with an
-exception saves too. It writes to a temporary file first and then renames it, so an interrupted
+(``torch.compiler.save_cache_artifacts``) to ``path``, compressed (xz by default); a run that fails
+with an exception saves too. It writes to a temporary file first and then renames it, so an interrupted
 save leaves the old file whole. Copy the file to the next machine and name it again:
 
     python main.py fit --config configs/speedrun_1gpu.yaml \\
-        --trainer.callbacks+=callbacks.compile_cache.CompileCache --trainer.callbacks.path compile_cache.gz
+        --trainer.callbacks+=callbacks.compile_cache.CompileCache --trainer.callbacks.path compile_cache.xz
+
+``compression``: ``xz`` (the default) or ``gzip``. On the artifacts of ``speedrun_1gpu.yaml``'s
+warmup xz writes a file less than half gzip's size, in a few seconds more (BENCHMARKS.md,
+``benchmarks/compile_cache_compression.py``): the save comes after training, off the speedrun
+clock, and the file is what gets copied between machines. Either format is read whatever the
+setting, by its leading bytes.
 
 The project's own Triton kernels (FP8, loss, attention, optimizer) are compiled by Triton at
 their first launch and cached in ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``), not here.
@@ -25,6 +31,7 @@ naming the file, and the run compiles from scratch.
 from __future__ import annotations
 
 import gzip
+import lzma
 import os
 import warnings
 from pathlib import Path
@@ -33,6 +40,15 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+
+GZIP_MAGIC = b"\x1f\x8b"
+XZ_MAGIC = b"\xfd7zXZ\x00"
+COMPRESSIONS = ("xz", "gzip")
+
+
+def check_compression(compression: str) -> None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"CompileCache.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
 
 
 def _summary(info: Any) -> str:
@@ -48,8 +64,10 @@ def load_artifacts(path: Path) -> Optional[str]:
     (with one warning naming the file) when it holds nothing this torch can use."""
     data = path.read_bytes()
     try:
-        if data[:2] == b"\x1f\x8b":
+        if data[:2] == GZIP_MAGIC:
             data = gzip.decompress(data)
+        elif data[:6] == XZ_MAGIC:
+            data = lzma.decompress(data)
         info = torch.compiler.load_cache_artifacts(data)
     except Exception as err:  # a truncated, foreign or other-version file: compile from scratch instead
         warnings.warn(f"CompileCache: {path} could not be loaded ({type(err).__name__}: {err}); the run compiles "
@@ -62,9 +80,10 @@ def load_artifacts(path: Path) -> Optional[str]:
     return _summary(info)
 
 
-def save_artifacts(path: Path) -> Optional[str]:
-    """Write everything compiled (or loaded) in this process to ``path``, gzip-compressed and
-    atomically; a summary, or None when nothing was compiled."""
+def save_artifacts(path: Path, compression: str = "xz") -> Optional[str]:
+    """Write everything compiled (or loaded) in this process to ``path``, compressed (``xz`` or
+    ``gzip``) and atomically; a summary, or None when nothing was compiled."""
+    check_compression(compression)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
@@ -73,7 +92,8 @@ def save_artifacts(path: Path) -> Optional[str]:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(gzip.compress(data, compresslevel=1))
+    packed = lzma.compress(data, preset=1) if compression == "xz" else gzip.compress(data, compresslevel=1)
+    tmp.write_bytes(packed)
     os.replace(tmp, path)
     return f"{_summary(info)}, {path.stat().st_size / 2**20:.1f} MiB"
 
@@ -82,14 +102,18 @@ class CompileCache(L.Callback):
     """Load ``torch.compile``'s cache artifacts from ``path`` at setup; save them there at the end of training.
 
     Args:
-        path: the artifacts file (gzip). A missing file is written at the end of the first run.
+        path: the artifacts file. A missing file is written at the end of the first run.
         load: read ``path`` at setup when it exists.
         save: write ``path`` at the end of training (global rank 0).
+        compression: ``xz`` (smaller) or ``gzip`` (faster to write) for the saved file.
     """
 
-    def __init__(self, path: str = "compile_cache.gz", load: bool = True, save: bool = True) -> None:
+    def __init__(self, path: str = "compile_cache.xz", load: bool = True, save: bool = True,
+                 compression: str = "xz") -> None:
         if not str(path):
-            raise ValueError("CompileCache.path is empty: name the artifacts file, e.g. compile_cache.gz")
+            raise ValueError("CompileCache.path is empty: name the artifacts file, e.g. compile_cache.xz")
+        check_compression(compression)
+        self.compression = compression
         self.path = Path(path)
         self.load = load
         self.save = save
@@ -116,7 +140,7 @@ class CompileCache(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.save or not trainer.is_global_zero or self.saved is not None:
             return
-        self.saved = save_artifacts(self.path)
+        self.saved = save_artifacts(self.path, self.compression)
         if self.saved is not None:
             rank_zero_info(f"CompileCache: saved {self.saved} to {self.path}")
         else:

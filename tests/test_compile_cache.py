@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from callbacks.compile_cache import CompileCache
+from callbacks.compile_cache import GZIP_MAGIC, XZ_MAGIC, CompileCache, load_artifacts, save_artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,10 +51,10 @@ def _child(path: Path, inductor_dir: Path) -> tuple[int, int, bool, bool]:
 
 @pytest.mark.slow
 def test_a_fresh_process_loads_what_the_last_one_compiled(tmp_path):
-    path = tmp_path / "compile_cache.gz"
-    # the first run compiles (a miss in its empty cache directory) and writes the file
+    path = tmp_path / "compile_cache.xz"
+    # the first run compiles (a miss in its empty cache directory) and writes the file (xz, the default)
     hits, misses, loaded, saved = _child(path, tmp_path / "inductor_a")
-    assert (hits, loaded, saved) == (0, False, True) and misses >= 1 and path.read_bytes()[:2] == b"\x1f\x8b"
+    assert (hits, loaded, saved) == (0, False, True) and misses >= 1 and path.read_bytes()[:6] == XZ_MAGIC
     # a second process with another empty cache directory finds every graph in the loaded artifacts
     hits, misses, loaded, saved = _child(path, tmp_path / "inductor_b")
     assert loaded and saved and hits >= 1 and misses == 0
@@ -87,6 +87,53 @@ def test_only_global_rank_zero_saves_and_save_false_saves_nothing(tmp_path):
     torch._dynamo.reset()
 
 
-def test_an_empty_path_is_one_clear_error():
+def test_an_empty_path_or_an_unknown_compression_is_one_clear_error():
     with pytest.raises(ValueError, match="CompileCache.path is empty"):
         CompileCache("")
+    with pytest.raises(ValueError, match="CompileCache.compression='zstd': use one of xz, gzip"):
+        CompileCache("cache.xz", compression="zstd")
+
+
+def test_both_formats_are_written_and_read_back_by_their_leading_bytes(tmp_path):
+    """xz (the default) and gzip files hold the same artifacts, and either loads whatever the
+    setting (a file from before xz, gzip, still loads)."""
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.cos() * 2 - 1)(torch.randn(8))  # something compiled in this process
+    try:
+        sizes = {}
+        for compression, magic in (("xz", XZ_MAGIC), ("gzip", GZIP_MAGIC)):
+            path = tmp_path / f"cache.{compression}"
+            assert save_artifacts(path, compression) is not None
+            data = path.read_bytes()
+            assert data.startswith(magic), compression
+            sizes[compression] = len(data)
+            named_other = tmp_path / f"renamed-{compression}.bin"  # the name says nothing: the bytes decide
+            named_other.write_bytes(data)
+            assert load_artifacts(named_other) is not None, compression
+        assert sizes["xz"] < sizes["gzip"]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_compression_benchmark_reads_a_stream_cut_short(tmp_path, capsys):
+    """``benchmarks/compile_cache_compression.py`` on the first parts of a split gzip file (what a
+    transfer limit let through): it decompresses as far as the parts go and compares the formats."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ccc", ROOT / "benchmarks" / "compile_cache_compression.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gen = torch.Generator().manual_seed(11)
+    raw = (torch.randint(0, 16, (400_000,), generator=gen, dtype=torch.uint8).numpy().tobytes()) * 3
+    packed = gzip.compress(raw, compresslevel=1)
+    parts = [tmp_path / "part.aa", tmp_path / "part.ab"]
+    parts[0].write_bytes(packed[: len(packed) // 3])
+    parts[1].write_bytes(packed[len(packed) // 3: 2 * len(packed) // 3])  # the last third never arrived
+    got, source = bench.raw_bytes(b"".join(p.read_bytes() for p in parts))
+    assert source.startswith("gzip, cut short") and 0 < len(got) < len(raw) and raw.startswith(got)
+    assert bench.main([str(p) for p in parts]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [" ".join(r[:2]) for r in rows] == ["gzip 1", "gzip 6", "xz 1"]
+    assert float(rows[0][-1]) == 1.0 and all(float(r[2]) > 0 for r in rows)
+    assert bench.main([str(tmp_path / "missing")]) == 2
