@@ -51,6 +51,21 @@ def check_compression(compression: str) -> None:
         raise ValueError(f"CompileCache.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
 
 
+def pack(data: bytes, compression: str = "xz") -> bytes:
+    """``data`` compressed as ``CompileCache`` writes it: xz at preset 1, or gzip at level 1."""
+    check_compression(compression)
+    return lzma.compress(data, preset=1) if compression == "xz" else gzip.compress(data, compresslevel=1)
+
+
+def unpack(data: bytes) -> bytes:
+    """``data`` decompressed by its leading bytes (xz or gzip); anything else as it is."""
+    if data[:2] == GZIP_MAGIC:
+        return gzip.decompress(data)
+    if data[:6] == XZ_MAGIC:
+        return lzma.decompress(data)
+    return data
+
+
 def _summary(info: Any) -> str:
     """``CacheInfo`` as "N artifacts (inductor a, aot_autograd b, ...)"."""
     groups = {kind: len(keys) for kind, keys in getattr(info, "artifacts", {}).items() if keys}
@@ -64,11 +79,7 @@ def load_artifacts(path: Path) -> Optional[str]:
     (with one warning naming the file) when it holds nothing this torch can use."""
     data = path.read_bytes()
     try:
-        if data[:2] == GZIP_MAGIC:
-            data = gzip.decompress(data)
-        elif data[:6] == XZ_MAGIC:
-            data = lzma.decompress(data)
-        info = torch.compiler.load_cache_artifacts(data)
+        info = torch.compiler.load_cache_artifacts(unpack(data))
     except Exception as err:  # a truncated, foreign or other-version file: compile from scratch instead
         warnings.warn(f"CompileCache: {path} could not be loaded ({type(err).__name__}: {err}); the run compiles "
                       f"from scratch. Delete the file, or point CompileCache.path elsewhere, to stop this warning")
@@ -83,7 +94,7 @@ def load_artifacts(path: Path) -> Optional[str]:
 def save_artifacts(path: Path, compression: str = "xz") -> Optional[str]:
     """Write everything compiled (or loaded) in this process to ``path``, compressed (``xz`` or
     ``gzip``) and atomically; a summary, or None when nothing was compiled."""
-    check_compression(compression)
+    check_compression(compression)  # before the artifacts are gathered
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
@@ -92,8 +103,7 @@ def save_artifacts(path: Path, compression: str = "xz") -> Optional[str]:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    packed = lzma.compress(data, preset=1) if compression == "xz" else gzip.compress(data, compresslevel=1)
-    tmp.write_bytes(packed)
+    tmp.write_bytes(pack(data, compression))
     os.replace(tmp, path)
     return f"{_summary(info)}, {path.stat().st_size / 2**20:.1f} MiB"
 
