@@ -19,6 +19,9 @@ clock (a synchronize, as with ``--profile``), the first step's host work on the 
 the GPU idle and is on the clock (BENCHMARKS.md, "Steady-state timing" under "The amax atomics, ...").
 Without a GPU it is the host's wall time. The plain loop freezes the garbage collector while its
 clock runs, as ``SpeedrunTimer`` does in training (a collection of the live heap costs tens of ms).
+Both loops size the step's inputs from the run's batch plan first, as the timer does before its
+warmup (``SpeedrunModule.reserve_shapes``: the CUDA graphs' ``cu_seqlens`` and the value-embedding
+leaf's rows).
 
 It prints ms per step, tokens/s, MFU (the model's dense training FLOPs per token, full
 vocabulary, times tokens/s, over 989 TFLOP/s bf16 dense) and the Lightning/plain ratio
@@ -468,10 +471,18 @@ def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path:
     path.write_text("\n".join(lines) + "\n")
 
 
+class _ReserveShapes(L.Callback):
+    """What ``SpeedrunTimer`` does before its warmup (the timer is not in these runs): the step's
+    input shapes sized from the run's batch plan (``SpeedrunModule.reserve_shapes``)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.reserve_shapes(trainer.datamodule.plan_bounds(trainer.max_steps))
+
+
 def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     clock = _Clock(warmup, warmup + steps)
-    cli.trainer.callbacks.append(clock)
+    cli.trainer.callbacks.extend([_ReserveShapes(), clock])
     _reset_peak()
     cli.trainer.fit(cli.model, cli.datamodule)
     return {"seconds": clock.seconds, "peak": _peak(), "gpt": cli.model.gpt_config}
@@ -489,6 +500,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
     opt = module.configure_optimizers()
     module.use_plain_optimizer(opt)
     module.train()
+    module.reserve_shapes(data.plan_bounds(warmup + steps))  # as SpeedrunTimer does before its warmup
     stream = data.train_dataloader()
     it = iter(stream)
     _reset_peak()

@@ -121,8 +121,9 @@ class SpeedrunTimer(L.Callback):
 
     On a GPU the warmup ends with one line: its steps and seconds, and the memory it left
     (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
-    Before it, the CUDA graphs' ``cu_seqlens`` are sized from the run's whole batch plan
-    (``reserve_cu_seqlens``), so a key has one shape whatever order the warmup visits it in.
+    Before it, the CUDA graphs' ``cu_seqlens`` and the value-embedding leaf are sized from the
+    run's whole batch plan (``reserve_shapes``), so a key has one shape whatever order the warmup
+    visits it in.
     A run resumed from a checkpoint (``global_step > 0``) has no warmup: the callbacks hold
     restored state the warmup's reset would drop. Its graphs are sized the same way, and its keys
     are captured on the clock. While the clock runs, a step that runs a micro-batch eagerly (a key
@@ -201,15 +202,16 @@ class SpeedrunTimer(L.Callback):
 
     @staticmethod
     def _reserve_graph_shapes(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Size the CUDA graphs' inputs for the whole run before the first capture: the warmup
-        visits steps out of order, and a key captured at a smaller ``cu_seqlens`` than the run
-        reaches by then would be captured again on the clock."""
-        lengths_of = getattr(trainer.datamodule, "cu_seqlens_lengths", None)
-        reserve = getattr(pl_module, "reserve_cu_seqlens", None)
-        if lengths_of is None or reserve is None:
+        """Size the step's inputs for the whole run before the first capture: the warmup visits
+        steps out of order, and a key captured at a smaller ``cu_seqlens`` than the run reaches
+        by then would be captured again on the clock. The value-embedding leaf is sized from the
+        plan too (its distinct tokens), instead of min(T, V) rows."""
+        bounds_of = getattr(trainer.datamodule, "plan_bounds", None)
+        reserve = getattr(pl_module, "reserve_shapes", None)
+        if bounds_of is None or reserve is None:
             return
         stop = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
-        reserve(lengths_of(stop))
+        reserve(bounds_of(stop))
 
     def _graph_counts(self, pl_module: L.LightningModule) -> Optional[dict]:
         counts = getattr(pl_module, "graph_counts", None)

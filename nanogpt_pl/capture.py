@@ -579,9 +579,10 @@ class PullGraphs:
             self._owned.clear()
             self._fingerprint = None
 
-    def run(self, ids: Tensor, pull: Callable[[Tensor], Any]) -> Any:
-        """``pull(ids)``, from the layout's graph once it has one."""
-        key = (tuple(ids.shape), ids.dtype, ids.device)
+    def run(self, ids: Tensor, pull: Callable[[Tensor], Any], extra_key: tuple = ()) -> Any:
+        """``pull(ids)``, from the layout's graph once it has one (``extra_key``: what else
+        fixes the pull's shapes, e.g. the value-embedding capacity)."""
+        key = (tuple(ids.shape), ids.dtype, ids.device, *extra_key)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _PullEntry()
@@ -887,7 +888,7 @@ class ModuleGraphs:
         The padding only grows, so without this the length a key is captured with depends on
         which batches came before it: a warmup that visits the schedule out of order captures
         keys at lengths the run has outgrown by then, and the run captures again on the clock.
-        Reserved from the run's own plan (``TrainStream.cu_seqlens_lengths``), every key of a
+        Reserved from the run's own plan (``TrainStream.plan_bounds``), every key of a
         T has one length from the first visit on.
         """
         for tokens, n in lengths.items():
@@ -910,15 +911,18 @@ class ModuleGraphs:
         if self.pulls is not None:
             self.pulls.begin_step()
 
-    def pull(self, ids: Tensor) -> Optional[dict[str, Any]]:
+    def pull(self, ids: Tensor, distinct_tokens: Optional[int] = None) -> Optional[dict[str, Any]]:
         """The sparse channels' inputs of a micro-batch (``SparseChannels.inputs``), from a
-        :class:`PullGraphs` graph where the pull is capturable, else eagerly."""
+        :class:`PullGraphs` graph where the pull is capturable, else eagerly. ``distinct_tokens``
+        is the micro-batch's host-side count (the value-embedding capacity's check)."""
         channels = self.module.sparse_channels
         if channels is None:
             return None
+        rows = channels.value_rows(ids.numel(), distinct_tokens)
         if self.pulls is None:
-            return channels.inputs(ids, train=True)
-        return self.pulls.run(ids, lambda t: channels.inputs(t, train=True))
+            return channels.inputs(ids, train=True, value_rows=rows)
+        # the capacity is part of the layout: a graph per capacity
+        return self.pulls.run(ids, lambda t: channels.inputs(t, train=True, value_rows=rows), extra_key=(rows,))
 
     def micro_step(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]], micro_batches: int) -> Tensor:
         """Forward, loss and backward of one micro-batch through its key's graph; the detached loss."""

@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 from .backends import Backends, check_opt_in
 from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
+from .data.stream import PlanBounds
 from .data.tokenizer import build_prefix_table
 from .distributed.row_exchange import EXCHANGES
 from .distributed.side_files import RANK_LOCAL_KEY
@@ -107,6 +108,11 @@ class OptimConfig:
             or ``auto`` (``fixed`` when the leaves have fixed shapes, i.e. with compile or CUDA
             graphs, else ``reference``). Either works with fixed leaf shapes and gives the same
             bits; on one rank nothing moves and ``fixed`` only avoids the host reads.
+        value_rows_from_plan: with fixed leaf shapes, the value-embedding leaf of a micro-batch
+            length T holds the most distinct tokens any micro-batch of T in the run's batch plan
+            has (counted on the host before the run; the speedrun timer reserves it) instead of
+            min(T, V) rows, every one of which is written in the forward and zero-filled in the
+            gradient. False: min(T, V). The same bits either way.
         smear_gate: the smear gate's weight (RECORD §8: lr ×0.01).
         ve_gate: the value-embedding gates (lr ×1, decay ×1).
         post_lambdas: the post-lambdas π (betas 0.9, 0.95).
@@ -136,6 +142,7 @@ class OptimConfig:
     ngram: AdamGroup = field(default_factory=lambda: AdamGroup(lr_mul=70.0, betas=(0.0, 0.95), wd_mul=5.0))
     sparse_value_embeds: bool = True
     sparse_exchange: str = "auto"
+    value_rows_from_plan: bool = True
     # RECORD §8 "Adam parameter groups": the small parameters by family (names matched in
     # nanogpt_pl.optim.groups.ADAM_RULES)
     smear_gate: AdamGroup = field(default_factory=lambda: AdamGroup(0.01, (0.9, 0.99), 0.0))
@@ -631,6 +638,14 @@ class SpeedrunModule(L.LightningModule):
         self.backward_of(loss * (mb["targets"].numel() / micro_batches))
         return loss.detach()
 
+    def _eager_pull(self, mb: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The sparse channels' training inputs of a micro-batch, eagerly (None without channels)."""
+        channels = self.sparse_channels
+        if channels is None:
+            return None
+        rows = channels.value_rows(mb["inputs"].numel(), mb.get("distinct_tokens"))
+        return channels.inputs(mb["inputs"], train=True, value_rows=rows)
+
     def run_step(self, batch: list[dict[str, Any]]) -> Tensor:
         """Forward, backward and optimizer step over one step's micro-batches; the mean loss.
 
@@ -647,9 +662,9 @@ class SpeedrunModule(L.LightningModule):
             # n-gram rows pulled from their owner ranks, value-embedding rows as compact leaves
             with record_function("step/sparse_pull"):
                 if graphs is not None:
-                    sparse = graphs.pull(mb["inputs"])
+                    sparse = graphs.pull(mb["inputs"], mb.get("distinct_tokens"))
                 else:
-                    sparse = self.sparse_channels.inputs(mb["inputs"], train=True) if self.sparse_channels else None
+                    sparse = self._eager_pull(mb)
             with record_function("step/micro_batch"):
                 if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
                     loss = graphs.micro_step(mb, sparse, len(micro))
@@ -701,12 +716,17 @@ class SpeedrunModule(L.LightningModule):
         """The micro-batch graph keys seen so far from the ``start``-th on (none while eager)."""
         return [] if self._graphs is None else self._graphs.key_names(start)
 
-    def reserve_cu_seqlens(self, lengths: dict[int, int]) -> None:
-        """Size the CUDA graphs' ``cu_seqlens`` per sequence length for the run ahead
-        (:meth:`ModuleGraphs.reserve_cu_seqlens`); nothing while the step runs eagerly."""
+    def reserve_shapes(self, bounds: PlanBounds) -> None:
+        """Size the step's inputs per sequence length for the run ahead, from its batch plan
+        (``SpeedrunDataModule.plan_bounds``): the CUDA graphs' ``cu_seqlens``
+        (:meth:`ModuleGraphs.reserve_cu_seqlens`, nothing while the step runs eagerly) and the
+        value-embedding leaf's rows (:meth:`SparseChannels.reserve_value_rows`, unless
+        ``model.optim.value_rows_from_plan`` is off)."""
         graphs = self._step_graphs()
         if graphs is not None:
-            graphs.reserve_cu_seqlens(lengths)
+            graphs.reserve_cu_seqlens(bounds.cu_seqlens)
+        if self.sparse_channels is not None and self.optim_config.value_rows_from_plan:
+            self.sparse_channels.reserve_value_rows(bounds.distinct_tokens)
 
     def _step_graphs(self) -> Optional[ModuleGraphs]:
         """The CUDA graphs of the training step (``model.cuda_graphs``), None when the step runs eagerly."""

@@ -16,6 +16,7 @@ from train_helpers import LossRecorder, make_run, make_trainer, tiny_gpt, tiny_o
 from callbacks.ema import TailAveraging, TailTrack, record_tracks
 from callbacks.speedrun_timer import SpeedrunTimer, default_warmup_steps
 from callbacks.throughput import SpeedrunThroughput
+from nanogpt_pl.data.stream import PlanBounds
 from nanogpt_pl.module import SpeedrunModule
 from nanogpt_pl.schedule import Schedule, Stage
 
@@ -223,7 +224,7 @@ def test_timer_ends_with_the_slowest_timed_steps(toy_files, tmp_path, caplog):
 def test_a_resumed_run_sizes_the_graphs_for_the_plan_without_a_warmup():
     """No warmup after a resume (callbacks hold restored state), but the CUDA graphs' inputs are still
     sized from the whole batch plan before the clock starts, up to trainer.max_steps."""
-    plan = {512: 9, 1024: 17}
+    plan = PlanBounds(cu_seqlens={512: 9, 1024: 17}, distinct_tokens={512: 300, 1024: 500})
     asked, reserved = [], []
 
     def lengths_of(stop):
@@ -232,10 +233,10 @@ def test_a_resumed_run_sizes_the_graphs_for_the_plan_without_a_warmup():
 
     timer = SpeedrunTimer(target=0.0)
     timer.run_warmup = lambda *a: pytest.fail("a resumed run ran the warmup")
-    module = SimpleNamespace(device=torch.device("cpu"), reserve_cu_seqlens=reserved.append)
+    module = SimpleNamespace(device=torch.device("cpu"), reserve_shapes=reserved.append)
     for max_steps, stop in ((-1, None), (40, 40)):
         trainer = SimpleNamespace(global_step=7, max_steps=max_steps,
-                                  datamodule=SimpleNamespace(cu_seqlens_lengths=lengths_of))
+                                  datamodule=SimpleNamespace(plan_bounds=lengths_of))
         timer.on_train_start(trainer, module)
         timer._pause(module)
     assert asked == [None, 40] and reserved == [plan, plan]

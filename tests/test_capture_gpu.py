@@ -544,7 +544,7 @@ def test_the_timers_state_copy_leaves_the_gpu_and_restores_exactly():
 def test_the_timer_names_a_key_its_warmup_left_out_and_none_when_it_visits_them_all(toy_files, tmp_path):
     """A step that runs a micro-batch eagerly on the clock (a CUDA-graph key the warmup did not
     capture) is one warning and is listed in ``clock_eager_steps``; the default warmup visits every
-    key, and the graphs' cu_seqlens are the lengths reserved from the run's plan."""
+    key, and the graphs' cu_seqlens and value-embedding rows are the sizes reserved from the run's plan."""
     from train_helpers import make_run, make_trainer, tiny_schedule
 
     from callbacks.speedrun_timer import SpeedrunTimer
@@ -566,6 +566,10 @@ def test_the_timer_names_a_key_its_warmup_left_out_and_none_when_it_visits_them_
         clock = [str(w.message) for w in caught if "eagerly on the clock" in str(w.message)]
         assert timer.clock_eager_steps == want
         assert len(clock) == len(want) and all(f"step {s} ran" in m and "T=256" in m for s, m in zip(want, clock))
-        lengths = data.cu_seqlens_lengths()
+        bounds = data.plan_bounds()
         docs = {key.tokens: key.max_docs for key in module._graphs.graphs.entries}
-        assert docs == {T: graph_docs_length(n) for T, n in lengths.items()}
+        assert docs == {T: graph_docs_length(n) for T, n in bounds.cu_seqlens.items()}
+        # the value-embedding leaf of each T sized from the plan's distinct tokens, one pull graph each
+        rows = {key[0][0]: key[3] for key in module._graphs.pulls.entries}
+        assert rows == {T: -(-n // 64) * 64 for T, n in bounds.distinct_tokens.items()}
+        assert all(r < T for T, r in rows.items()) and module._graphs.pulls.captured() == len(rows)

@@ -143,10 +143,11 @@ def _take_one(dm: SpeedrunDataModule, step: int):
         s.close()
 
 
-def test_cu_seqlens_lengths_are_the_longest_of_every_ranks_batches(tmp_path, data_dir):
-    """The speedrun timer sizes the CUDA graphs' inputs from this before its out-of-order warmup: it
-    must be the longest ``cu_seqlens`` any rank's micro-batch of each sequence length has, attention
-    splits included, up to ``stop``."""
+def test_plan_bounds_are_the_largest_of_every_ranks_batches(tmp_path, data_dir):
+    """The speedrun timer sizes the CUDA graphs' inputs and the value-embedding leaf from this before
+    its out-of-order warmup: per sequence length, the longest ``cu_seqlens`` and the most distinct
+    input tokens any rank's micro-batch has (attention splits included), up to ``stop``; each
+    micro-batch's own count is what the loader hands out with it."""
     d = tmp_path / "short"
     rng = np.random.default_rng(fresh_seed())
     # short documents, then longer ones: a slice holds more than the 128 entries of the smallest bucket,
@@ -159,16 +160,22 @@ def test_cu_seqlens_lengths_are_the_longest_of_every_ranks_batches(tmp_path, dat
     dm.setup("fit")
     for stop in (None, 6):
         want: dict[int, int] = {}
+        want_ids: dict[int, int] = {}
         every: set = set()
         for rank in (0, 1):
             dm.rank, dm._probe = rank, None
             for step in range(sched.total_steps if stop is None else stop):
                 for mb in dm.batch_at(step):
                     T = mb["inputs"].numel()
+                    ids = torch.unique(mb["inputs"]).numel()
+                    assert mb["distinct_tokens"] == ids
                     want[T] = max(want.get(T, 0), mb["cu_seqlens"].numel())
-                    every.add((T, mb["cu_seqlens"].numel()))
-        assert dm.cu_seqlens_lengths(stop) == want
-        if stop is None:  # they vary within a T: the longest is a real maximum
-            assert len({n for T, n in every if T == 4096}) > 1
+                    want_ids[T] = max(want_ids.get(T, 0), ids)
+                    every.add((T, mb["cu_seqlens"].numel(), ids))
+        bounds = dm.plan_bounds(stop)
+        assert bounds.cu_seqlens == want and bounds.distinct_tokens == want_ids
+        if stop is None:  # they vary within a T: the largest is a real maximum
+            assert len({n for T, n, _ in every if T == 4096}) > 1
+            assert len({u for T, _, u in every if T == 4096}) > 1
     assert min(want.values()) > 128 and sched.attention_split(9) == 12  # the last stage splits documents
     dm.teardown("fit")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,13 +16,16 @@ from data_fixtures import (
     small_schedule,
     write_random_shards,
 )
+from seeds import fresh_seed
 
 from nanogpt_pl.data import stream as stream_mod
 from nanogpt_pl.data.planning import (
     DataExhaustedError,
     DocumentTooLongError,
+    distinct_tokens,
     max_num_docs,
     pack_cu_seqlens,
+    slice_tokens,
 )
 from nanogpt_pl.data.shards import ShardError, write_shard
 from nanogpt_pl.data.stream import TrainStream, iter_steps
@@ -458,3 +462,21 @@ def test_validation_errors(tmp_path):
     write_shard(path, bad)
     with pytest.raises(ShardError, match="token id 60000"):
         ValidationSet(str(path), 256, 128, 1, 0)
+
+
+@pytest.mark.parametrize("run", [0, 1])
+def test_slice_tokens_and_distinct_tokens_equal_their_plain_references(run):
+    """The one-gather slice equals concatenating its pieces, and the host-side distinct count equals
+    ``torch.unique``'s, on random pieces of a random shard (short and long pieces, repeats)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50257, 200_000, dtype=np.uint16)
+    tokens[rng.integers(0, tokens.size, 5000)] = 7  # one frequent id
+    shard = SimpleNamespace(tokens=tokens)
+    for pieces in (1, 3, 400):
+        lengths = rng.integers(1, 300, pieces)
+        starts = rng.integers(0, tokens.size - 300, pieces)
+        want = np.concatenate([tokens[s : s + n] for s, n in zip(starts, lengths)])
+        got = slice_tokens(shard, starts, lengths)
+        assert got.dtype == tokens.dtype and np.array_equal(got, want), (seed, pieces)
+        assert distinct_tokens(got) == torch.unique(torch.from_numpy(want.astype(np.int64))).numel(), seed

@@ -20,8 +20,10 @@ the guard does trip on the reference exchange.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -559,3 +561,91 @@ def test_a_request_past_its_slot_stops_the_run_with_the_fix(tmp_path: Path) -> N
         assert result["message"] in result["overflow"], result["overflow"]
         assert "model.optim.sparse_exchange: reference" in result["message"]
         assert result["fits"] is True
+
+
+# -- the value-embedding leaf sized from the batch plan --------------------------------------
+def _value_channels(exchange: str, planes: list[torch.Tensor]) -> tuple[SparseChannels, list, SparseAdam]:
+    params = [torch.nn.Parameter(p.clone()) for p in planes]
+    channels = SparseChannels(None, ValueEmbedShard(params, exchange=exchange), fixed_shapes=exchange == "fixed")
+    return channels, params, SparseAdam(channels.channels())
+
+
+def test_value_rows_come_from_the_reservation_and_fall_back_to_min_t_v_once():
+    planes = [torch.nn.Parameter(torch.zeros(3000, DIM)) for _ in range(PLANES)]
+    channels = SparseChannels(None, ValueEmbedShard(planes, exchange="fixed"), fixed_shapes=True)
+    assert channels.value_rows(512, 100) == 512  # nothing reserved: min(T, V)
+    channels.reserve_value_rows({512: 100, 4096: 4000, 256: 256})
+    # rounded up to 64 rows, at most min(T, V): 4096 tokens of a 3,000-token vocabulary hold 3,000 ids at most
+    assert [channels.value_rows(t, 1) for t in (512, 4096, 256)] == [128, 3000, 256]
+    channels.reserve_value_rows({512: 10})  # a later reservation only grows it
+    assert channels.value_rows(512, 128) == 128
+    with pytest.warns(UserWarning, match=r"^value embeddings: a micro-batch of 512 tokens has 129 distinct token "
+                                         r"ids, beyond the 128 rows reserved .*take 512 rows from now on$"):
+        assert channels.value_rows(512, 129) == 512
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert channels.value_rows(512, 5) == 512 and channels.value_rows(512, None) == 512  # and it stays there
+    channels.reserve_value_rows({1024: 50})
+    with pytest.warns(UserWarning, match="has no distinct-token count"):
+        assert channels.value_rows(1024, None) == 1024
+    # only the fixed shapes have a capacity; without value embeddings there is nothing to size
+    assert SparseChannels(None, ValueEmbedShard(planes), fixed_shapes=False).value_rows(512, 100) is None
+    assert SparseChannels(NgramShard(ROWS, DIM, exchange="fixed"), None, fixed_shapes=True).value_rows(512, 9) is None
+    with pytest.raises(ValueError, match=r"^pad_to=513: the fixed value-embedding leaf of a batch of 512 tokens"):
+        channels.value_embeds.prepare(torch.zeros(512, dtype=torch.long), pad_to=513)
+
+
+@pytest.mark.parametrize("run", [0, 1])
+def test_plan_sized_value_rows_train_the_same_bits_as_min_t_v_and_the_reference(run):
+    """The leaf sized from the plan's distinct tokens (a quarter of T here) gives the same losses,
+    leaf gradients, merged gradient and updated planes and Adam state as the min(T, V) leaf and as
+    the exact-size reference exchange; the reserved pull and push read nothing back from the device."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    vocab, tokens, steps, micro = 3000, 512, 3, 2
+    planes = [torch.randn(vocab, DIM, generator=gen) for _ in range(PLANES)]
+    readout = torch.randn(DIM, 3, generator=gen)
+    pool = torch.randperm(vocab, generator=gen)[:120]  # each micro-batch reads at most 120 distinct ids
+    batches = [[(pool[torch.randint(0, pool.numel(), (tokens,), generator=gen)], torch.randn(tokens, 3, generator=gen))
+                for _ in range(micro)] for _ in range(steps)]
+    most = max(torch.unique(ids).numel() for step in batches for ids, _ in step)
+    runs = {name: _value_channels("reference" if name == "reference" else "fixed", planes)
+            for name in ("reference", "min(T, V)", "plan")}
+    runs["plan"][0].reserve_value_rows({tokens: most})
+    want_rows = {"reference": None, "min(T, V)": tokens, "plan": -(-most // 64) * 64}
+    assert want_rows["plan"] < tokens // 2
+    seen = {name: [] for name in runs}
+    for step in range(steps):
+        for ids, target in batches[step]:
+            for name, (channels, params, _) in runs.items():
+                rows = channels.value_rows(tokens, torch.unique(ids).numel())
+                assert rows == want_rows[name], (name, seed)
+                guard = NoHostSync() if name == "plan" else contextlib.nullcontext()
+                with guard:
+                    inputs = channels.inputs(ids, train=True, value_rows=rows)
+                ve = inputs["value_rows"]
+                assert ve.values.shape[1] == (rows or torch.unique(ids).numel()), (name, seed)
+                x = F.embedding(ve.index, ve.values[0]) * F.embedding(ve.index, ve.values[1])
+                loss = ((x @ readout - target) ** 2).mean()
+                loss.backward()
+                n = torch.unique(ids).numel()
+                seen[name].append((loss.detach(), ve.values.grad[:, :n].clone(), ve.values.detach()[:, :n].clone()))
+                with guard:
+                    channels.push_grads(inputs)
+        merged = {name: channels.value_embeds.merged_gradient() for name, (channels, _, _) in runs.items()}
+        for name, (channels, _, opt) in runs.items():
+            assert torch.equal(merged[name][0], merged["reference"][0]), (name, seed)
+            assert torch.equal(merged[name][1], merged["reference"][1]), (name, seed)
+            for g in opt.param_groups:
+                g["lr"] = g["initial_lr"] * (1.0 - 0.1 * step)
+            with NoHostSync() if name == "plan" else contextlib.nullcontext():
+                opt.step()
+    for name in ("min(T, V)", "plan"):
+        for got, want in zip(seen[name], seen["reference"]):
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (name, seed)
+        for p, q in zip(runs[name][1], runs["reference"][1]):
+            assert torch.equal(p, q), (name, seed)
+        ve, ref = runs[name][0].value_embeds, runs["reference"][0].value_embeds
+        assert torch.equal(ve.adam.exp_avg, ref.adam.exp_avg) and torch.equal(ve.adam.exp_avg_sq, ref.adam.exp_avg_sq)
+    assert runs["plan"][0].value_embeds.step_count == steps
+    assert not torch.equal(runs["plan"][1][0], planes[0])  # the planes moved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -245,17 +246,28 @@ def test_lightning_run_with_the_fixed_exchange_equals_the_reference(toy_files, t
 
     runs = {}
     # the default channels; what prepare_for_training builds with model.compile on (without compiling);
+    # the same with the value-embedding leaf sized from the batch plan (as the speedrun timer sizes it);
     # the same padded leaves with the exact-size exchange (model.optim.sparse_exchange: reference)
-    for run, exchange in (("reference", None), ("fixed", "auto"), ("padded reference", "reference")):
+    for run, exchange in (("reference", None), ("fixed", "auto"), ("fixed, plan-sized", "auto"),
+                          ("padded reference", "reference")):
         module, data = ngram_run(toy_files, 4)
         if exchange is not None:
             module.sparse_channels = build_sparse_channels(module.model, None, torch.device("cpu"), fixed_shapes=True,
                                                            exchange=exchange)
-            fixed = run == "fixed"
+            fixed = run.startswith("fixed")
             assert module.sparse_channels.ngram.fixed is fixed and module.sparse_channels.value_embeds.fixed is fixed
             assert module.sparse_channels.fixed_shapes
+        if run == "fixed, plan-sized":
+            data.setup("fit")
+            bounds = data.plan_bounds()
+            module.reserve_shapes(bounds)
+            (T, most), = bounds.distinct_tokens.items()
+            assert module.sparse_channels.value_rows(T, most) == -(-most // 64) * 64 < T
         rec = LossRecorder()
-        make_trainer(tmp_path / run.replace(" ", "_"), callbacks=[rec]).fit(module, data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path / run.replace(" ", "_"), callbacks=[rec]).fit(module, data)
+        assert not [w for w in caught if "value embeddings:" in str(w.message)], run  # every batch fit its rows
         runs[run] = (rec, module.sparse_channels.state_dict(), module.model.state_dict())
     ref, ref_sparse, ref_model = runs.pop("reference")
     assert sorted(ref.losses) == list(range(4)) and ref_sparse["ngram"]["weight"].abs().sum() > 0

@@ -9,7 +9,7 @@ import lightning as L
 
 from nanogpt_pl.data.planning import check_long_documents
 from nanogpt_pl.data.shards import MAKE_DATA_HINT, ShardError, list_shards
-from nanogpt_pl.data.stream import TrainStream
+from nanogpt_pl.data.stream import PlanBounds, TrainStream
 from nanogpt_pl.data.tokenizer import TOKENIZER_VOCAB
 from nanogpt_pl.data.validation import ValidationSet
 from nanogpt_pl.schedule import Schedule
@@ -187,13 +187,13 @@ class SpeedrunDataModule(L.LightningDataModule):
         probe.remember(step + 1, plan.next_cursor)
         return probe.micro_batches(plan)
 
-    def cu_seqlens_lengths(self, stop: Optional[int] = None) -> dict[int, int]:
-        """Sequence length -> the longest ``cu_seqlens`` of the run's micro-batches up to ``stop``
-        (:meth:`TrainStream.cu_seqlens_lengths`, from a separate cursor)."""
-        return self._probe_stream().cu_seqlens_lengths(0, stop)
+    def plan_bounds(self, stop: Optional[int] = None) -> PlanBounds:
+        """The largest micro-batch shapes of the run's steps up to ``stop``, per sequence length
+        (:meth:`TrainStream.plan_bounds`, from a separate cursor)."""
+        return self._probe_stream().plan_bounds(0, stop)
 
     def _probe_stream(self) -> TrainStream:
-        """The stream :meth:`batch_at` and :meth:`cu_seqlens_lengths` plan from (not the trainer's)."""
+        """The stream :meth:`batch_at` and :meth:`plan_bounds` plan from (not the trainer's)."""
         if self._probe is None:
             train, _ = self.resolved_files()
             if train is None:

@@ -122,6 +122,24 @@ def split_segments(lengths: np.ndarray, cap: Optional[int]) -> np.ndarray:
 
 
 
+def slice_tokens(shard: "IndexedShard", starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The ``T + 1`` tokens of one slice: its pieces, concatenated.
+
+    One gather: token ``j`` of the slice, in piece ``i``, sits at ``starts[i] - (pieces before
+    i's length) + j``. (Slicing the memory map once per piece cost ~2 µs of Python a piece,
+    and a slice of short documents has hundreds of pieces.)
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.asarray(shard.tokens[shift + np.arange(shift.size)])
+
+
+def distinct_tokens(tokens: np.ndarray) -> int:
+    """How many different token ids ``tokens`` holds: the value-embedding rows a micro-batch reads."""
+    return int(np.count_nonzero(np.bincount(tokens.ravel())))
+
+
 def to_tensor(arr: np.ndarray, pin: bool) -> torch.Tensor:
     """A contiguous tensor sharing ``arr``'s memory, or a pinned copy for asynchronous host-to-device copies."""
     t = torch.from_numpy(np.ascontiguousarray(arr))

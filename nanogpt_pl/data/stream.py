@@ -11,6 +11,7 @@ import collections
 import itertools
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
@@ -24,9 +25,11 @@ from nanogpt_pl.data.planning import (
     IndexedShard,
     ShardSet,
     StepPlan,
+    distinct_tokens,
     pack_cu_seqlens,
     packed_length,
     slice_segments,
+    slice_tokens,
     to_tensor,
 )
 from nanogpt_pl.data.shards import ShardError
@@ -36,6 +39,14 @@ from nanogpt_pl.schedule import Schedule
 STATE_FORMAT = 1
 
 MicroBatch = dict
+
+
+@dataclass
+class PlanBounds:
+    """Per sequence length T, the largest micro-batch shapes of a stretch of the batch plan."""
+
+    cu_seqlens: dict[int, int]  # T -> the longest ``cu_seqlens`` (boundaries, padded as packed)
+    distinct_tokens: dict[int, int]  # T -> the most distinct token ids one micro-batch's inputs hold
 
 
 def build_micro_batch(
@@ -48,8 +59,13 @@ def build_micro_batch(
     pin: bool = False,
     doc_tokens_cut: int = 0,
 ) -> MicroBatch:
-    """Gather one slice's tokens and its packed-sequence boundaries."""
-    buf = np.concatenate([shard.tokens[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())])
+    """Gather one slice's tokens and its packed-sequence boundaries.
+
+    ``distinct_tokens`` (host-side, from the same tokens) is how many different ids the inputs
+    hold: the fixed value-embedding pull checks it against its plan-sized capacity without
+    asking the device (``SparseChannels.value_rows``).
+    """
+    buf = slice_tokens(shard, starts, lengths)
     assert buf.size == seq_len + 1
     seg = slice_segments(lengths, attention_split)
     boundaries = np.concatenate([[0], np.cumsum(seg)])
@@ -60,6 +76,7 @@ def build_micro_batch(
         "max_seqlen": int(seg.max()),
         "step": int(step),
         "doc_tokens_cut": int(doc_tokens_cut),
+        "distinct_tokens": distinct_tokens(buf[:-1]),
     }
 
 
@@ -259,27 +276,30 @@ class TrainStream:
             for i in range(self.rank, len(plan.starts), self.world_size)
         ]
 
-    def cu_seqlens_lengths(self, start: int = 0, stop: Optional[int] = None) -> dict[int, int]:
-        """Sequence length T -> the longest ``cu_seqlens`` any micro-batch of steps
-        ``[start, stop)`` (default: to ``stop_step``) has, over every rank's slices.
+    def plan_bounds(self, start: int = 0, stop: Optional[int] = None) -> PlanBounds:
+        """The largest micro-batch shapes of steps ``[start, stop)`` (default: to ``stop_step``),
+        per sequence length T, over every rank's slices (so every rank gets the same bounds).
 
-        Walks the plans only (no tokens are gathered). Padding every micro-batch of a T to
-        this length gives a run one input shape per T, whatever order its steps are visited
-        in (the speedrun timer's warmup seeds its CUDA graphs with it).
+        Walks the plans and counts each slice's distinct tokens on the host. Sizing every
+        micro-batch of a T to these bounds gives a run one input shape per T, whatever order
+        its steps are visited in (the speedrun timer's warmup seeds its CUDA graphs with it).
         """
         stop = self.stop_step if stop is None else min(int(stop), self.stop_step)
-        out: dict[int, int] = {}
+        bounds = PlanBounds({}, {})
         step = int(start)
         cursor = self.cursor_at(step) if step < stop else None
         while step < stop:
             plan = self.walker.plan(step, cursor)
             split = self.schedule.attention_split(step)
-            longest = max(slice_segments(lengths, split).size for lengths in plan.lengths)
-            n = packed_length(longest + 1, plan.seq_len)
-            out[plan.seq_len] = max(out.get(plan.seq_len, 0), n)
+            T = plan.seq_len
+            for starts, lengths in zip(plan.starts, plan.lengths):
+                docs = packed_length(slice_segments(lengths, split).size + 1, T)
+                ids = distinct_tokens(slice_tokens(plan.shard, starts, lengths)[:-1])
+                bounds.cu_seqlens[T] = max(bounds.cu_seqlens.get(T, 0), docs)
+                bounds.distinct_tokens[T] = max(bounds.distinct_tokens.get(T, 0), ids)
             step, cursor = step + 1, plan.next_cursor
             self.remember(step, cursor)
-        return out
+        return bounds
 
     def seek(self, step: int) -> None:
         """Continue from ``step``: the next batch handed out, and the next batch trained, is ``step``.

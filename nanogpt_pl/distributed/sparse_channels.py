@@ -8,6 +8,7 @@ files (``side_files``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,9 @@ from ..model.embeddings import CompactRows, NgramInput
 from .ngram_shard import NgramShard
 from .value_embed_shard import ValueEmbedShard
 
+# The value-embedding leaf's reserved rows are a multiple of this (aligned rows for the gathers).
+VALUE_ROWS_MULTIPLE = 64
+
 
 class SparseChannels:
     """The module's view of the sparse channels: per-micro-batch inputs and gradient hand-back.
@@ -25,10 +29,18 @@ class SparseChannels:
     Args:
         ngram: this rank's n-gram shard (None = no n-gram channel).
         value_embeds: the value-embedding channel (None = value embeddings take the dense path).
-        fixed_shapes: pad the compact leaves to their upper bound (2T n-gram rows, min(T, V)
-            ids) so a compiled model sees one shape per sequence length. ``build_sparse_channels``
-            then gives the channels the fixed exchange, which needs no host sync, unless
-            ``model.optim.sparse_exchange`` asks for the reference one.
+        fixed_shapes: pad the compact leaves to an upper bound (2T n-gram rows; for the value
+            embeddings the capacity :meth:`value_rows` gives) so a compiled model sees one shape
+            per sequence length. ``build_sparse_channels`` then gives the channels the fixed
+            exchange, which needs no host sync, unless ``model.optim.sparse_exchange`` asks for
+            the reference one.
+
+    The value-embedding leaf holds one row per distinct token id of the micro-batch. Its
+    capacity is min(T, V) unless :meth:`reserve_value_rows` sized it from the run's batch plan
+    (the speedrun timer does, before its warmup): a 49,152-token micro-batch of FineWeb holds
+    far fewer than 49,152 distinct ids, and every padding row is written in the forward and
+    zero-filled in the gradient. The loader counts each micro-batch's distinct ids on the
+    host (``distinct_tokens``), so the capacity is checked without asking the device.
     """
 
     def __init__(self, ngram: Optional[NgramShard] = None, value_embeds: Optional[ValueEmbedShard] = None,
@@ -36,6 +48,47 @@ class SparseChannels:
         self.ngram = ngram
         self.value_embeds = value_embeds
         self.fixed_shapes = fixed_shapes
+        self._value_rows: dict[int, int] = {}  # T -> the value-embedding leaf's rows, from the plan
+
+    def reserve_value_rows(self, distinct: dict[int, int]) -> None:
+        """Size the value-embedding leaf of each micro-batch length T for at most ``distinct[T]``
+        distinct token ids (rounded up to :data:`VALUE_ROWS_MULTIPLE`, at most min(T, V)).
+
+        From the run's whole plan (``TrainStream.plan_bounds``), so a T keeps one leaf shape; a
+        later reservation only grows it. Nothing without the value-embedding channel or fixed shapes.
+        """
+        if self.value_embeds is None or not self.fixed_shapes:
+            return
+        for tokens, ids in distinct.items():
+            tokens = int(tokens)
+            rows = min(self._full_rows(tokens), -(-int(ids) // VALUE_ROWS_MULTIPLE) * VALUE_ROWS_MULTIPLE)
+            self._value_rows[tokens] = max(self._value_rows.get(tokens, 0), rows)
+
+    def _full_rows(self, tokens: int) -> int:
+        return min(tokens, self.value_embeds.vocab)
+
+    def value_rows(self, tokens: int, distinct: Optional[int]) -> Optional[int]:
+        """Rows of the value-embedding leaf of a training micro-batch of ``tokens`` ids holding
+        ``distinct`` different ones (None: not counted): the reserved capacity, or min(T, V);
+        None without the value-embedding channel or fixed shapes.
+
+        A micro-batch the reservation cannot hold (more distinct ids, or none counted) gets
+        min(T, V), and so does every later one of that length (one warning): its shape changes
+        once, and no id is ever dropped.
+        """
+        if self.value_embeds is None or not self.fixed_shapes:
+            return None
+        full = self._full_rows(tokens)
+        rows = self._value_rows.get(tokens, full)
+        if rows >= full:
+            return full
+        if distinct is None or distinct > rows:
+            held = "no distinct-token count" if distinct is None else f"{distinct} distinct token ids"
+            warnings.warn(f"value embeddings: a micro-batch of {tokens} tokens has {held}, beyond the {rows} "
+                          f"rows reserved from the batch plan; micro-batches of {tokens} tokens take {full} rows "
+                          "from now on")
+            self._value_rows[tokens] = rows = full
+        return rows
 
     def channels(self) -> dict[str, Any]:
         """name -> channel, for :class:`~nanogpt_pl.optim.sparse_adam.SparseAdam`."""
@@ -67,8 +120,12 @@ class SparseChannels:
             out += [t.data_ptr() for t in self.value_embeds.params]
         return tuple(out)
 
-    def inputs(self, input_ids: Tensor, train: bool) -> dict[str, Any]:
-        """Keyword arguments of ``GPT.forward`` for one micro-batch (``ngram``, ``value_rows``). Collective."""
+    def inputs(self, input_ids: Tensor, train: bool, value_rows: Optional[int] = None) -> dict[str, Any]:
+        """Keyword arguments of ``GPT.forward`` for one micro-batch (``ngram``, ``value_rows``). Collective.
+
+        ``value_rows``: the training leaf's rows under fixed shapes, from :meth:`value_rows`
+        (default min(T, V)).
+        """
         n = input_ids.numel()
         out: dict[str, Any] = {}
         with torch.no_grad():
@@ -76,7 +133,7 @@ class SparseChannels:
                 pad = 2 * n if (train and self.fixed_shapes) else None
                 out["ngram"] = self.ngram.prepare(input_ids, requires_grad=train, pad_to=pad)
             if self.value_embeds is not None:
-                pad = min(n, self.value_embeds.vocab) if (train and self.fixed_shapes) else None
+                pad = (value_rows or self._full_rows(n)) if (train and self.fixed_shapes) else None
                 out["value_rows"] = self.value_embeds.prepare(input_ids, requires_grad=train, pad_to=pad)
         return out
 

@@ -10,7 +10,8 @@ next cycle reads, which needs the loader's lookahead; the all-gather costs ~300 
 event at the record's size, i.e. every 4th step.)
 
 ``exchange="fixed"`` does this without a device -> host sync: a micro-batch of T tokens
-keeps ``min(T, V)`` sentinel-padded ids (``row_exchange.unique_fixed``), and its compact
+keeps a fixed number of sentinel-padded ids (``row_exchange.unique_fixed``; min(T, V), or the
+capacity ``SparseChannels.value_rows`` sizes from the batch plan), and its compact
 gradient is added at once into one persistent fp32 cycle buffer ``[P, W·c, D]`` (the
 record's selected-load backward into a persistent cycle buffer, RECORD §5), so nothing is
 queued and nothing is merged. At the event each rank sends every owner its block of the
@@ -94,13 +95,16 @@ class ValueEmbedShard:
         """Gather every plane at the unique ids of ``input_ids`` as the model's :class:`CompactRows`.
 
         With the fixed exchange only training reads (``requires_grad``) take the fixed path,
-        as in ``NgramShard.prepare``.
+        as in ``NgramShard.prepare``. Its leaf has ``pad_to`` rows (default min(T, V), the most
+        distinct ids T tokens can hold); a smaller ``pad_to`` must hold every distinct id of
+        ``input_ids``, which the caller knows from the host (``SparseChannels.value_rows``):
+        reading it here would be a device -> host sync.
         """
         if self.fixed and requires_grad:
-            bound = min(input_ids.numel(), self.vocab)  # the most distinct ids T tokens can hold
-            if pad_to is not None and pad_to < bound:
-                raise ValueError(f"pad_to={pad_to} is below the {bound} ids a batch of {input_ids.numel()} tokens "
-                                 "can hold; the fixed value-embedding exchange needs room for all of them")
+            bound = min(input_ids.numel(), self.vocab)
+            if pad_to is not None and not 0 < pad_to <= bound:
+                raise ValueError(f"pad_to={pad_to}: the fixed value-embedding leaf of a batch of {input_ids.numel()} "
+                                 f"tokens takes 1 to {bound} rows")
             ids, index = unique_fixed(input_ids.long().reshape(-1), pad_to or bound, self.sentinel)
             # the leaf itself, written plane by plane (zeros at the padding), no stack or cast after
             values = torch.empty(self.planes, ids.numel(), self.dim, dtype=leaf_dtype, device=ids.device)
