@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .backends import Backends, check_opt_in
-from .capture import ModuleGraphs, RunAhead, cuda_graphs_active
+from .capture import ModuleGraphs, RunAhead, cuda_graphs_active, max_seqlen_bound
 from .data.stream import PlanBounds
 from .data.tokenizer import build_prefix_table
 from .distributed.row_exchange import EXCHANGES
@@ -609,7 +609,12 @@ class SpeedrunModule(L.LightningModule):
             # the compiled forward reads the FP8 weight caches without checking them (with the
             # graph breaks the FP8 layers run eagerly and check their own)
             self.model.refresh_fp8()
-        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], mb["max_seqlen"], self.settings.windows,
+        max_seqlen = int(mb["max_seqlen"])
+        if self.compile:
+            # the stage's bound, as the CUDA graphs take it: the compiled model specializes on this
+            # int, and each micro-batch's own longest segment was a recompile of the whole model
+            max_seqlen = max(max_seqlen, max_seqlen_bound(self.schedule, mb))
+        hidden = self._forward(mb["inputs"], mb["cu_seqlens"], max_seqlen, self.settings.windows,
                                sparse or {})
         s = self.settings
         head = self.model.fp8_head
@@ -811,7 +816,12 @@ class SpeedrunModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         sparse = self.sparse_channels.inputs(batch["inputs"], train=False) if self.sparse_channels else {}
-        hidden = self._forward(batch["inputs"], batch["cu_seqlens"], batch["max_seqlen"],
+        max_seqlen = int(batch["max_seqlen"])
+        if self.compile:
+            # validation documents are not capped: a power of two (at most T) per batch instead of
+            # each batch's own longest document, an int the compiled model would recompile for
+            max_seqlen = min(batch["inputs"].numel(), 1 << (max_seqlen - 1).bit_length())
+        hidden = self._forward(batch["inputs"], batch["cu_seqlens"], max_seqlen,
                                (self.schedule.val_window_short, self.schedule.val_window_long), sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
         self.val_loss.update(loss, batch["targets"].numel())

@@ -569,6 +569,49 @@ def test_model_compile_keeps_one_graph_as_the_padded_document_count_grows(one_th
     assert losses[2] == pytest.approx(losses[0].item(), rel=1e-6)
 
 
+def test_model_compile_keeps_one_graph_whatever_a_batchs_longest_segment():
+    """``max_seqlen`` is an int the compiled model specializes on. Each micro-batch's own longest
+    segment was a recompile of the whole model in every eager step with ``model.compile`` (capture
+    off: on an H100 a 330-step run spent its minutes recompiling), and in every validation batch.
+    Training takes the stage's bound, as the CUDA graphs do; validation a power of two, at most T.
+    The bound changes nothing the model computes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
+        module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    module.apply_schedule(0)
+    seed = fresh_seed()
+    micro = [step_batch(module, 0, seed + i, 1, 512)[0] for i in range(3)]
+    assert len({mb["max_seqlen"] for mb in micro}) > 1, seed
+    for mb in micro:
+        module._micro_loss(mb).backward()
+    assert counter.frame_count == 1, seed
+    # validation: two batches whose longest documents differ but share a power of two, one of another
+    module.log = lambda *a, **k: None  # no trainer here
+    val = [dict(micro[0], max_seqlen=n) for n in (300, 400, 200)]
+    frames = counter.frame_count
+    for mb in val[:2]:
+        module.validation_step(mb, 0)
+    assert counter.frame_count == frames + 1, seed  # the validation windows: one more graph for 300 and 400
+    module.validation_step(val[2], 0)
+    assert counter.frame_count == frames + 2, seed  # 256, another power of two
+    torch._dynamo.reset()
+    # the bound is the kernels' grid and the rotary table's reach: the same hidden states, bit for bit
+    plain = make_module("cpu", False, every_technique_schedule(), gpt)
+    plain.apply_schedule(0)
+    mb = micro[0]
+    bound = max_seqlen_bound(plain.schedule, mb)
+    assert bound > mb["max_seqlen"], (bound, mb["max_seqlen"])
+    with torch.no_grad():
+        outs = [plain._forward(mb["inputs"], mb["cu_seqlens"], n, plain.settings.windows, {})
+                for n in (mb["max_seqlen"], bound, 512)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), seed
+
+
 def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     """At dynamo's default of 8 recompiles per frame, one stage of the record network on the H200
     sent attention frames back to eager (``hit config.recompile_limit (8)``, BENCHMARKS.md)."""
