@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from interpreter import is_launcher_module, register_session_modules
+from interpreter import is_launcher_module, register_session_modules, start_session_child, stop_children
 from seeds import fresh_seed
 from train_helpers import write_markov_shards
 
@@ -27,12 +27,19 @@ def pytest_collection_modifyitems(config, items):
     # the Triton-interpreter launchers collected this session share one child process (tests/interpreter.py)
     launchers = {str(item.fspath) for item in items if item.name.endswith("_under_interpreter")}
     register_session_modules(p for p in launchers if is_launcher_module(p))
+    start_session_child()  # in the background, beside the parent's tests
+    # the launchers wait for that child: last, so the parent's other tests run while it works
+    items.sort(key=lambda item: item.name.endswith("_under_interpreter"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_children()
 
 
 @pytest.fixture

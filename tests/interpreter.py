@@ -4,18 +4,25 @@ The variable must be set before triton is imported, so a module's interpreter te
 in a fresh process: the module's launcher test (``test_*_under_interpreter``) calls
 :func:`run_module_under_interpreter`, and the module's ``@interp`` tests run only there.
 
-One child serves the whole session: the first launcher to run starts ``pytest`` on every
-module whose launcher this session collected (``conftest.py`` registers them with
-:func:`register_session_modules`), and each launcher checks its own module's part of that
-run. A child's start-up (interpreter, torch, triton, the test modules' imports) costs about
-7 s on a 2-core machine, once instead of once per module.
+One child serves the whole session: ``pytest`` on every module whose launcher this session
+collected (``conftest.py`` registers them with :func:`register_session_modules`), and each
+launcher checks its own module's part of that run. A child's start-up (interpreter, torch,
+triton, the test modules' imports) costs about 7 s on a 2-core machine, once instead of once
+per module. The child starts in the background as soon as collection ends
+(:func:`start_session_child`) and runs beside the parent's tests, and ``conftest.py`` moves
+the launchers to the end of the session: both processes are mostly one thread of Python, so on
+a 2-core machine the child's ~80 s then cost the session little. A launcher waits for the
+child; a launcher whose module it does not cover starts its own run.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 
@@ -24,7 +31,6 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRE
 LAUNCHER_CALL = "run_module_under_interpreter(__file__)"
 
 _session_modules: set[str] = set()  # absolute paths of the modules whose launchers were collected
-_runs: dict[tuple[str, ...], "ChildRun"] = {}
 
 
 @dataclass
@@ -74,17 +80,69 @@ def parse_child(returncode: int, stdout: str, stderr: str) -> ChildRun:
     return ChildRun(returncode, stdout[-6000:] + stderr[-3000:], outcomes, selected)
 
 
-def _child_run(path: str) -> ChildRun:
-    modules = tuple(sorted(_session_modules | {os.path.abspath(path)}))
-    if modules not in _runs:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
+class _Child:
+    """A child ``pytest`` run under the interpreter, started now; :meth:`result` waits for it."""
+
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        # one intra-op thread: the interpreter's tests are small, and the parent runs beside it
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda",
              "--continue-on-collection-errors", *modules],
-            env=env, capture_output=True, text=True, timeout=900,
+            env=env, stdout=self._out, stderr=self._err, text=True,
         )
-        _runs[modules] = parse_child(proc.returncode, proc.stdout, proc.stderr)
-    return _runs[modules]
+        self._run: Optional[ChildRun] = None
+
+    def result(self) -> ChildRun:
+        if self._run is None:
+            try:
+                code = self._proc.wait(timeout=CHILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            self._out.seek(0)
+            self._err.seek(0)
+            self._run = parse_child(code, self._out.read(), self._err.read())
+            self._out.close()
+            self._err.close()
+        return self._run
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+CHILD_TIMEOUT_S = 900
+_children: dict[tuple[str, ...], _Child] = {}
+
+
+def start_session_child() -> None:
+    """Start the session's child in the background (from ``conftest.py``, after collection):
+    nothing in a child itself, without registered launchers, or without triton."""
+    if INTERPRETED or not _session_modules or importlib.util.find_spec("triton") is None:
+        return
+    modules = tuple(sorted(_session_modules))
+    if modules not in _children:
+        _children[modules] = _Child(modules)
+
+
+def stop_children() -> None:
+    """Kill children still running (the session ended before their launchers ran, e.g. ``-x``)."""
+    for child in _children.values():
+        child.stop()
+
+
+def _child_run(path: str) -> ChildRun:
+    path = os.path.abspath(path)
+    for modules, child in _children.items():
+        if path in modules:
+            return child.result()
+    modules = tuple(sorted(_session_modules | {path}))
+    if modules not in _children:
+        _children[modules] = _Child(modules)
+    return _children[modules].result()
 
 
 def check_module(run: ChildRun, path: str) -> int:
