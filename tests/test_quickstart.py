@@ -33,8 +33,8 @@ def test_quickstart_config_end_to_end(tmp_path, run_cli):
     import torch
 
     last = tmp_path / "logs" / "quickstart" / "csv" / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 80  # the schedule's steps
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 120  # the schedule's steps
     assert not (tmp_path / "checkpoints").exists()
     # the progress bar knows the total, and the project's own warnings and banners are gone
-    assert "/80 [" in shown
+    assert "/120 [" in shown
     assert "args parameter is intended" not in shown and "Starting with 1 processes" not in shown
