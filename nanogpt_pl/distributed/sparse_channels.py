@@ -37,9 +37,9 @@ class SparseChannels:
 
     The value-embedding leaf holds one row per distinct token id of the micro-batch. Its
     capacity is min(T, V) unless :meth:`reserve_value_rows` sized it from the run's batch plan
-    (the speedrun timer does, before its warmup): a 49,152-token micro-batch of FineWeb holds
-    far fewer than 49,152 distinct ids, and every padding row is written in the forward and
-    zero-filled in the gradient. The loader counts each micro-batch's distinct ids on the
+    (the speedrun timer does, before its warmup): a micro-batch holds far fewer distinct ids than
+    tokens (on the embedded corpus at most 4,220 in 49,152), and every padding row is written in
+    the forward and zero-filled in the gradient. The loader counts each micro-batch's distinct ids on the
     host (``distinct_tokens``), so the capacity is checked without asking the device.
     """
 

@@ -1,0 +1,120 @@
+"""The run's batch plan walked for its shape bounds, and the value-embedding leaf it sizes.
+
+Before its warmup the speedrun timer walks the whole batch plan once
+(``SpeedrunDataModule.plan_bounds``): per sequence length T, the longest ``cu_seqlens`` and the
+most distinct input tokens of any micro-batch, which size the CUDA graphs' inputs and the
+value-embedding leaf (``model.optim.value_rows_from_plan``). Rows, all in one run:
+
+- walk: the plans and the ``cu_seqlens`` bound only, no tokens read (the walk before the leaf
+  was sized from the plan);
+- memory-map slices: each slice's tokens sliced from the shard's memory map one document piece
+  at a time and concatenated (as the loader did), then counted;
+- one gather: each slice's tokens in one fancy-index gather, then counted;
+- ``plan_bounds``: the pieces sliced from a plain view of the shard (``slice_tokens``), then counted.
+
+Then the bounds per T, the leaf's rows (rounded up to 64) against min(T, V), and its size per
+micro-batch at the config's value-embedding layers and width (fp32).
+
+    python benchmarks/plan_bounds.py                                   # speedrun_1gpu.yaml, embedded corpus
+    python benchmarks/plan_bounds.py --train-files 'data/fineweb10B/fineweb_train_*.bin'
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanogpt_pl.config_files import load_config  # noqa: E402
+from nanogpt_pl.data.datamodule import SpeedrunDataModule  # noqa: E402
+from nanogpt_pl.data.planning import distinct_tokens, packed_length, slice_segments  # noqa: E402
+from nanogpt_pl.distributed.sparse_channels import VALUE_ROWS_MULTIPLE  # noqa: E402
+from nanogpt_pl.schedule import Schedule  # noqa: E402
+
+
+def walk(stream, stop: int, gather) -> dict[int, tuple[int, int]]:
+    """T -> (longest cu_seqlens, most distinct tokens) over every slice of steps [0, stop);
+    ``gather(plan, i)`` gives slice i's tokens, or None to count nothing."""
+    out: dict[int, tuple[int, int]] = {}
+    step, cursor = 0, stream.cursor_at(0)
+    while step < stop:
+        plan = stream.walker.plan(step, cursor)
+        split = stream.schedule.attention_split(step)
+        for i, lengths in enumerate(plan.lengths):
+            docs = packed_length(slice_segments(lengths, split).size + 1, plan.seq_len)
+            tokens = gather(plan, i)
+            ids = 0 if tokens is None else distinct_tokens(tokens[:-1])
+            old = out.get(plan.seq_len, (0, 0))
+            out[plan.seq_len] = (max(old[0], docs), max(old[1], ids))
+        step, cursor = step + 1, plan.next_cursor
+    return out
+
+
+def memmap_slices(plan, i: int) -> np.ndarray:
+    shard = plan.shard
+    return np.concatenate([shard.tokens[s : s + n] for s, n in zip(plan.starts[i].tolist(), plan.lengths[i].tolist())])
+
+
+def one_gather(plan, i: int) -> np.ndarray:
+    starts, lengths = plan.starts[i].astype(np.int64), plan.lengths[i].astype(np.int64)
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.asarray(plan.shard.tokens[shift + np.arange(shift.size)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/speedrun_1gpu.yaml")
+    ap.add_argument("--train-files", default=None, help="training shards (glob); default: the embedded corpus")
+    ap.add_argument("--steps", type=int, default=None, help="plan this many steps (default: the schedule's)")
+    ap.add_argument("--world-size", type=int, default=1)
+    args = ap.parse_args()
+
+    cfg = load_config(args.config)
+    schedule = Schedule(**(cfg.get("schedule") or {}))
+    gpt = cfg.get("model", {}).get("gpt", {})
+    data = SpeedrunDataModule(train_files=args.train_files, val_files=None,
+                              corpus=None if args.train_files else "quickstart", epochs=100_000, schedule=schedule)
+    data.world_size = args.world_size
+    stop = min(args.steps or schedule.total_steps, schedule.total_steps)
+    print(f"{platform.node()} ({platform.processor() or platform.machine()}), {args.config}, "
+          f"{args.train_files or 'embedded corpus'}, {stop} steps at {args.world_size} rank(s)")
+
+    stream = data._probe_stream()
+    stream.plan_bounds(0, 1)  # opens the first shard outside the timed rows
+    rows = []
+    for name, run in (("walk (cu_seqlens only)", lambda: walk(stream, stop, lambda plan, i: None)),
+                      ("memory-map slices + count", lambda: walk(stream, stop, memmap_slices)),
+                      ("one gather + count", lambda: walk(stream, stop, one_gather)),
+                      ("plan_bounds (plain-view slices + count)", lambda: stream.plan_bounds(0, stop))):
+        t0 = time.perf_counter()
+        result = run()
+        rows.append((name, time.perf_counter() - t0, result))
+    base = rows[1][1]
+    print("\n| row | s | memory-map slices / row |\n|---|---|---|")
+    for name, seconds, _ in rows:
+        print(f"| {name} | {seconds:.2f} | {base / seconds:.2f}x |")
+    bounds = rows[3][2]
+    for _, _, walked in rows[1:3]:  # every way of reading the tokens counts the same
+        assert {T: v[1] for T, v in walked.items()} == bounds.distinct_tokens, (walked, bounds.distinct_tokens)
+
+    vocab = int(gpt.get("vocab_size", 50304))
+    planes, dim = len(gpt.get("value_embed_layers", [])), int(gpt.get("model_dim", 768))
+    print(f"\nvalue-embedding leaf ({planes} planes x {dim}, fp32), per micro-batch:\n"
+          "| T | most distinct tokens | leaf rows | min(T, V) | MiB | MiB at min(T, V) | min(T, V) / rows |\n"
+          "|---|---|---|---|---|---|---|")
+    for T in sorted(bounds.distinct_tokens):
+        most = bounds.distinct_tokens[T]
+        full = min(T, vocab)
+        leaf = min(full, -(-most // VALUE_ROWS_MULTIPLE) * VALUE_ROWS_MULTIPLE)
+        mib = planes * dim * 4 / 2**20
+        print(f"| {T:,} | {most:,} | {leaf:,} | {full:,} | {leaf * mib:.1f} | {full * mib:.1f} | {full / leaf:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
