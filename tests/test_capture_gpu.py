@@ -572,4 +572,5 @@ def test_the_timer_names_a_key_its_warmup_left_out_and_none_when_it_visits_them_
         # the value-embedding leaf of each T sized from the plan's distinct tokens, one pull graph each
         rows = {key[0][0]: key[3] for key in module._graphs.pulls.entries}
         assert rows == {T: -(-n // 64) * 64 for T, n in bounds.distinct_tokens.items()}
-        assert all(r < T for T, r in rows.items()) and module._graphs.pulls.captured() == len(rows)
+        # the toy chain's 512-token micro-batches hold at most 336 distinct ids: 384 rows, not 512
+        assert rows[512] < 512 and module._graphs.pulls.captured() == len(rows)
