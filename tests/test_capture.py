@@ -612,6 +612,23 @@ def test_model_compile_keeps_one_graph_whatever_a_batchs_longest_segment():
     assert all(torch.equal(outs[0], o) for o in outs[1:]), seed
 
 
+def test_compiled_eager_steps_compile_the_model_once_per_stage(one_thread):
+    """With ``model.compile`` and no CUDA graphs (capture off, or a CPU), whole training steps with
+    fresh data, MTP weights that change every step and optimizer updates in between compile the
+    model once: nothing a step feeds it besides the tensors changes its guards."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
+        module = make_module("cpu", False, every_technique_schedule(steps=4), gpt, compile=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    losses = train_losses(module, steps=4, micro_batches=2, seq_len=512, seed=fresh_seed())
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and all(np.isfinite(losses)), (counter.frame_count, losses)
+
+
 def test_model_compile_raises_dynamos_recompile_limit_for_the_layer_kinds():
     """At dynamo's default of 8 recompiles per frame, one stage of the record network on the H200
     sent attention frames back to eager (``hit config.recompile_limit (8)``, BENCHMARKS.md)."""
