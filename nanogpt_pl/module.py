@@ -818,9 +818,10 @@ class SpeedrunModule(L.LightningModule):
         sparse = self.sparse_channels.inputs(batch["inputs"], train=False) if self.sparse_channels else {}
         max_seqlen = int(batch["max_seqlen"])
         if self.compile:
-            # validation documents are not capped: a power of two (at most T) per batch instead of
-            # each batch's own longest document, an int the compiled model would recompile for
-            max_seqlen = min(batch["inputs"].numel(), 1 << (max_seqlen - 1).bit_length())
+            # validation documents are not capped, so the bound is T: one compiled shape for every
+            # batch, where each batch's own longest document was a recompile (a larger max_seqlen
+            # only sizes the attention grid and reads the rotary rows computed instead of tabled)
+            max_seqlen = max(max_seqlen, batch["inputs"].numel())
         hidden = self._forward(batch["inputs"], batch["cu_seqlens"], max_seqlen,
                                (self.schedule.val_window_short, self.schedule.val_window_long), sparse)
         loss = full_cross_entropy(hidden, self.model.lm_head, batch["targets"])
