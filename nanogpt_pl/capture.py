@@ -918,10 +918,9 @@ class ModuleGraphs:
         channels = self.module.sparse_channels
         if channels is None:
             return None
-        rows = channels.value_rows(ids.numel(), distinct_tokens)
         if self.pulls is None:
-            return channels.inputs(ids, train=True, value_rows=rows)
-        # the capacity is part of the layout: a graph per capacity
+            return channels.train_inputs(ids, distinct_tokens)
+        rows = channels.value_rows(ids.numel(), distinct_tokens)  # part of the layout: a graph per capacity
         return self.pulls.run(ids, lambda t: channels.inputs(t, train=True, value_rows=rows), extra_key=(rows,))
 
     def micro_step(self, mb: dict[str, Any], sparse: Optional[dict[str, Any]], micro_batches: int) -> Tensor:

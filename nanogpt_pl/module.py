@@ -643,14 +643,6 @@ class SpeedrunModule(L.LightningModule):
         self.backward_of(loss * (mb["targets"].numel() / micro_batches))
         return loss.detach()
 
-    def _eager_pull(self, mb: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """The sparse channels' training inputs of a micro-batch, eagerly (None without channels)."""
-        channels = self.sparse_channels
-        if channels is None:
-            return None
-        rows = channels.value_rows(mb["inputs"].numel(), mb.get("distinct_tokens"))
-        return channels.inputs(mb["inputs"], train=True, value_rows=rows)
-
     def run_step(self, batch: list[dict[str, Any]]) -> Tensor:
         """Forward, backward and optimizer step over one step's micro-batches; the mean loss.
 
@@ -668,8 +660,10 @@ class SpeedrunModule(L.LightningModule):
             with record_function("step/sparse_pull"):
                 if graphs is not None:
                     sparse = graphs.pull(mb["inputs"], mb.get("distinct_tokens"))
+                elif self.sparse_channels is not None:
+                    sparse = self.sparse_channels.train_inputs(mb["inputs"], mb.get("distinct_tokens"))
                 else:
-                    sparse = self._eager_pull(mb)
+                    sparse = None
             with record_function("step/micro_batch"):
                 if graphs is not None:  # forward and backward from the micro-batch's CUDA graph
                     loss = graphs.micro_step(mb, sparse, len(micro))

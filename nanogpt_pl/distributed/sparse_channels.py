@@ -120,6 +120,12 @@ class SparseChannels:
             out += [t.data_ptr() for t in self.value_embeds.params]
         return tuple(out)
 
+    def train_inputs(self, input_ids: Tensor, distinct_tokens: Optional[int] = None) -> dict[str, Any]:
+        """:meth:`inputs` of a training micro-batch whose distinct ids the host counted
+        (``distinct_tokens``, None: not counted), with the value-embedding rows :meth:`value_rows` gives."""
+        rows = self.value_rows(input_ids.numel(), distinct_tokens)
+        return self.inputs(input_ids, train=True, value_rows=rows)
+
     def inputs(self, input_ids: Tensor, train: bool, value_rows: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of ``GPT.forward`` for one micro-batch (``ngram``, ``value_rows``). Collective.
 
