@@ -90,6 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
+from callbacks.speedrun_timer import reserve_run_shapes  # noqa: E402
 from nanogpt_pl.capture import FrozenGC  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
 from nanogpt_pl.config_files import load_config  # noqa: E402
@@ -473,10 +474,10 @@ def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path:
 
 class _ReserveShapes(L.Callback):
     """What ``SpeedrunTimer`` does before its warmup (the timer is not in these runs): the step's
-    input shapes sized from the run's batch plan (``SpeedrunModule.reserve_shapes``)."""
+    input shapes sized from the run's batch plan (``reserve_run_shapes``)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
-        pl_module.reserve_shapes(trainer.datamodule.plan_bounds(trainer.max_steps))
+        reserve_run_shapes(trainer, pl_module)
 
 
 def run_lightning(args: list[str], warmup: int, steps: int) -> dict:

@@ -103,6 +103,20 @@ def largest_first(schedule: Any, steps: list[int]) -> list[int]:
     return [s for run in runs for s in run]
 
 
+def reserve_run_shapes(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Size the step's inputs for the whole run (up to ``trainer.max_steps``) from its batch plan
+    (``SpeedrunModule.reserve_shapes``), before the first capture: the warmup visits steps out of
+    order, and a key captured at a smaller ``cu_seqlens`` than the run reaches by then would be
+    captured again on the clock. The value-embedding leaf is sized from the plan too (its distinct
+    tokens), instead of min(T, V) rows. Nothing without a datamodule or module that has them."""
+    bounds_of = getattr(trainer.datamodule, "plan_bounds", None)
+    reserve = getattr(pl_module, "reserve_shapes", None)
+    if bounds_of is None or reserve is None:
+        return
+    stop = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
+    reserve(bounds_of(stop))
+
+
 class SpeedrunTimer(L.Callback):
     """Untimed warmup with reset, the training clock, and the stop at the target loss.
 
@@ -176,7 +190,7 @@ class SpeedrunTimer(L.Callback):
         if not steps:
             return []
         start = time.perf_counter()
-        self._reserve_graph_shapes(trainer, pl_module)
+        reserve_run_shapes(trainer, pl_module)
         snapshot = pl_module.capture_state()
         previous = 0
         for step in steps:
@@ -199,19 +213,6 @@ class SpeedrunTimer(L.Callback):
                            f"{m['peak_allocated']:.2f} GiB peak allocated, {m['reserved']:.2f} GiB reserved, "
                            f"{m['graph_pools']:.2f} GiB of it in CUDA graph pools")
         return steps
-
-    @staticmethod
-    def _reserve_graph_shapes(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Size the step's inputs for the whole run before the first capture: the warmup visits
-        steps out of order, and a key captured at a smaller ``cu_seqlens`` than the run reaches
-        by then would be captured again on the clock. The value-embedding leaf is sized from the
-        plan too (its distinct tokens), instead of min(T, V) rows."""
-        bounds_of = getattr(trainer.datamodule, "plan_bounds", None)
-        reserve = getattr(pl_module, "reserve_shapes", None)
-        if bounds_of is None or reserve is None:
-            return
-        stop = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
-        reserve(bounds_of(stop))
 
     def _graph_counts(self, pl_module: L.LightningModule) -> Optional[dict]:
         counts = getattr(pl_module, "graph_counts", None)
@@ -261,7 +262,7 @@ class SpeedrunTimer(L.Callback):
         else:
             # a resumed run has no warmup: its keys are captured on the clock (one warning a step),
             # but at the shapes of the whole plan, so none is captured twice as cu_seqlens grow
-            self._reserve_graph_shapes(trainer, pl_module)
+            reserve_run_shapes(trainer, pl_module)
         self._start(pl_module)
 
     def _start(self, pl_module: L.LightningModule) -> None:
