@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -539,19 +540,25 @@ def test_timed_steps_run_without_gc_and_the_loss_is_logged_at_log_steps(tmp_path
     assert all(r.get("schedule/lr_mul") and r.get("lr/matrix") for r in rows if r.get("train/loss"))
 
 
-def test_model_compile_keeps_one_graph_as_the_padded_document_count_grows(one_thread):
-    """cu_seqlens is padded to a power of two that grows with a micro-batch's documents; with
-    ``model.compile`` each new length was a recompile of the whole model (the FP8 layers in the
-    graph). The module marks its length dynamic: one frame for three lengths, same losses."""
+def counted_compiled_module(schedule: Schedule) -> tuple[SpeedrunModule, Any]:
+    """A module with ``model.compile`` whose model compiles (as the module's own ``nn.Module.compile``,
+    ``dynamic=False``) through a backend that counts the frames it compiles; dynamo starts fresh."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()  # no compiled code or per-code state from earlier tests
     gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
     with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
-        module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)
+        module = make_module("cpu", False, schedule, gpt, compile=True)
     counter = CompileCounterWithBackend("aot_eager")
-    # the module's own compile (nn.Module.compile, dynamic=False) through a counting backend
     module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    return module, counter
+
+
+def test_model_compile_keeps_one_graph_as_the_padded_document_count_grows(one_thread):
+    """cu_seqlens is padded to a power of two that grows with a micro-batch's documents; with
+    ``model.compile`` each new length was a recompile of the whole model (the FP8 layers in the
+    graph). The module marks its length dynamic: one frame for three lengths, same losses."""
+    module, counter = counted_compiled_module(every_technique_schedule())
     module.apply_schedule(0)
     mb = step_batch(module, 0, 3, 1, 512)[0]
     base = mb["cu_seqlens"].numel()
@@ -575,14 +582,7 @@ def test_model_compile_keeps_one_graph_whatever_a_batchs_longest_segment():
     off: on an H100 a 330-step run spent its minutes recompiling), and in every validation batch.
     Training takes the stage's bound, as the CUDA graphs do; validation T. The bound changes
     nothing the model computes."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
-    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
-        module = make_module("cpu", False, every_technique_schedule(), gpt, compile=True)
-    counter = CompileCounterWithBackend("aot_eager")
-    module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    module, counter = counted_compiled_module(every_technique_schedule())
     module.apply_schedule(0)
     seed = fresh_seed()
     micro = [step_batch(module, 0, seed + i, 1, 512)[0] for i in range(3)]
@@ -599,7 +599,7 @@ def test_model_compile_keeps_one_graph_whatever_a_batchs_longest_segment():
     torch._dynamo.reset()
     # the bound is the kernels' grid and the rotary table's reach: the same hidden states, bit for bit,
     # also past the rotary tables (built for the schedule's longest T, 512), where the rows are computed
-    plain = make_module("cpu", False, every_technique_schedule(), gpt)
+    plain = make_module("cpu", False, every_technique_schedule(), every_technique_gpt(ngram_rows=0, ngram_layers=[]))
     plain.apply_schedule(0)
     mb = micro[0]
     bound = max_seqlen_bound(plain.schedule, mb)
@@ -615,14 +615,7 @@ def test_compiled_eager_steps_compile_the_model_once_per_stage(one_thread):
     """With ``model.compile`` and no CUDA graphs (capture off, or a CPU), whole training steps with
     fresh data, MTP weights that change every step and optimizer updates in between compile the
     model once: nothing a step feeds it besides the tensors changes its guards."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    gpt = every_technique_gpt(ngram_rows=0, ngram_layers=[])
-    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
-        module = make_module("cpu", False, every_technique_schedule(steps=4), gpt, compile=True)
-    counter = CompileCounterWithBackend("aot_eager")
-    module.model._compiled_call_impl = torch.compile(module.model._call_impl, backend=counter, dynamic=False)
+    module, counter = counted_compiled_module(every_technique_schedule(steps=4))
     losses = train_losses(module, steps=4, micro_batches=2, seq_len=512, seed=fresh_seed())
     torch._dynamo.reset()
     assert counter.frame_count == 1 and all(np.isfinite(losses)), (counter.frame_count, losses)
