@@ -5,7 +5,7 @@
     nanogpt-pl fit --config configs/speedrun_1gpu.yaml --trainer.max_steps 50
     nanogpt-pl validate --config configs/quickstart.yaml --ckpt_path last
     nanogpt-pl data prepare|fineweb|tokenizer|corpus ...
-    nanogpt-pl generate|plot|ablate ...   (nanogpt_pl/tools)
+    nanogpt-pl generate|plot|compare|ablate ...   (nanogpt_pl/tools)
     nanogpt-pl describe --config configs/speedrun.yaml
 
 The top-level ``schedule:`` section is the stage table; it is handed to both the
@@ -188,8 +188,8 @@ class SpeedrunCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any):
         kwargs.setdefault("description", "nanogpt-pl: the NanoGPT speedrun in PyTorch Lightning. Commands: fit, "
-                          "validate, describe, generate, plot, ablate, and 'data {prepare,fineweb,tokenizer,corpus}' "
-                          "(nanogpt-pl COMMAND --help).")
+                          "validate, describe, generate, plot, compare, ablate, and "
+                          "'data {prepare,fineweb,tokenizer,corpus}' (nanogpt-pl COMMAND --help).")
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:

@@ -4,7 +4,7 @@ Training commands on the quickstart config run with a tiny overlay config append
 two steps); commands that need 8 GPUs or FineWeb are checked to parse with ``--print_config``
 (in this process: a parse there costs no interpreter start-up);
 the FineWeb download is checked to accept its options; ``tensorboard --logdir logs`` is started
-and stopped. ``describe``, ``generate`` and ``plot`` run as written (on the runs the commands
+and stopped. ``describe``, ``generate``, ``plot`` and ``compare`` run as written (on the runs the commands
 before them made; in this process, as they train nothing); ``ablate`` on the quickstart config
 trains its runs with the tiny overlay after its ``--``, and on a GPU config each of its runs'
 configs is checked to parse. The two
@@ -97,7 +97,7 @@ def workdir(tmp_path):
 def test_the_readme_shows_the_commands_it_promises():
     commands = readme_commands()
     assert any("--model.gpt.num_layers 2" in c for c in commands)
-    for tool in ("describe", "generate", "plot", "ablate"):
+    for tool in ("describe", "generate", "plot", "compare", "ablate"):
         assert any(c.startswith(f"nanogpt-pl {tool} ") for c in commands), tool
     assert any("--config configs/ablations/" in c for c in commands)
     assert any(c.startswith("python main.py validate") for c in commands)
@@ -213,11 +213,11 @@ def test_every_readme_and_config_command_runs(workdir):
             ran.append(command)
             continue
         tool = tool_of(argv)
-        if tool in ("describe", "generate", "plot"):
+        if tool in ("describe", "generate", "plot", "compare"):
             # they train nothing: in this process, which saves an interpreter start-up each
             code, stdout, stderr = cli_in_process(cli_args(argv), workdir)
             assert code == 0 and "Traceback" not in stderr, (command, stderr[-3000:])
-            assert stdout.strip() or tool == "plot", command  # the table / the sampled text
+            assert stdout.strip() or tool == "plot", command  # the table / the sampled text / the comparison
             ran.append(command)
             continue
         if tool == "ablate":  # its runs train the tiny overlay: the options after -- go to every run

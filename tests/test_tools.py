@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import fresh_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 # where a quickstart run started in a folder keeps its checkpoints (the run's log folder, nanogpt_pl/cli.py)
@@ -207,3 +208,103 @@ def test_generate_uses_the_tail_averaged_weights_of_an_unshipped_checkpoint(tmp_
                 changed.add(name.split(".")[-1])
     # the ships move embed and lm_head (tail EMA), the qk/vo/mlp banks and the value embeddings
     assert {"embed", "lm_head", "qk_w", "v_w", "o_w", "fc_w", "proj_w"} <= changed, changed
+
+
+def _logged_run(root: Path, name: str, losses: dict[int, float], tokens_per_step=None, ms_per_step=None,
+                val: dict[int, float] | None = None) -> Path:
+    """A run's CSVLogger folder with train/loss (and train/tokens, train/time) at the given steps."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(root, name=name)
+    tokens = seconds = 0.0
+    for step in range(max(losses) + 1):
+        if tokens_per_step is not None:
+            tokens += tokens_per_step(step)
+            seconds += ms_per_step(step) / 1000
+        if step in losses:
+            row = {"train/loss": losses[step]}
+            if tokens_per_step is not None:
+                row.update({"train/tokens": tokens, "train/time": seconds})
+            logger.log_metrics(row, step=step)
+        if val and step in val:
+            logger.log_metrics({"val/loss": val[step]}, step=step)
+    logger.save()
+    return root / name
+
+
+def test_compare_differences_match_a_plain_reference(tmp_path):
+    import numpy as np
+
+    from nanogpt_pl.tools.compare import difference
+    from nanogpt_pl.tools.plot import load_run
+
+    rng = np.random.default_rng(fresh_seed())
+    steps_a, steps_b = range(9, 400, 10), range(9, 300, 10)  # B logged fewer steps
+    base = {s: 7.0 * np.exp(-s / 80) + 1.5 for s in steps_a}
+    a = {s: v + rng.normal(0, 0.01) for s, v in base.items()}
+    b = {s: base[s] + rng.normal(0, 0.01) for s in steps_b}
+    ra = load_run(_logged_run(tmp_path, "a", a))
+    rb = load_run(_logged_run(tmp_path, "b", b))
+    for lo, hi in ((0, None), (50, 250)):
+        shared = [s for s in steps_b if s >= lo and (hi is None or s <= hi)]
+        d = np.array([a[s] - b[s] for s in shared])
+        got = difference(ra, rb, lo, hi)
+        assert got.steps == len(shared)
+        assert got.mean == pytest.approx(d.mean(), abs=1e-6)
+        assert got.mean_abs == pytest.approx(np.abs(d).mean(), abs=1e-6)
+        assert got.max_abs == pytest.approx(np.abs(d).max(), abs=1e-6)
+        assert got.max_step == shared[int(np.abs(d).argmax())]
+
+
+def test_compare_verdict_and_speed_per_stage(tmp_path, capsys):
+    import numpy as np
+
+    from nanogpt_pl.cli import main
+
+    rng = np.random.default_rng(fresh_seed())
+    steps = range(9, 330, 10)
+    curve = {s: 7.0 * np.exp(-s / 60) + 1.3 for s in steps}
+    on = {s: v + rng.normal(0, 0.002) for s, v in curve.items()}
+    off = {s: v + rng.normal(0, 0.002) for s, v in curve.items()}  # numerics alone: tiny differences
+    seed = {s: v + rng.normal(0, 0.02) for s, v in curve.items()}  # another seed: larger ones
+    shifted = {s: v + 0.05 for s, v in off.items()}  # a real change of the curve
+    stage = lambda s: 131072 if s < 320 else 262144  # the stage changes inside the interval 319..329
+    on_ms = lambda s: 155.0 if s < 320 else 280.0
+    off_ms = lambda s: 2.3 * on_ms(s)
+    dirs = {name: _logged_run(tmp_path, name, losses, stage, ms, val={329: 5.0})
+            for name, losses, ms in (("on", on, on_ms), ("off", off, off_ms), ("seed1", seed, on_ms),
+                                     ("shifted", shifted, off_ms))}
+    assert main(["compare", str(dirs["on"]), str(dirs["off"]), "--noise", str(dirs["seed1"])]) == 0
+    out = capsys.readouterr().out
+    assert "**on and off agree within noise**" in out
+    # one stretch: steps 9..319 of stage 0 (the straddling interval and the lone stage-1 one belong to none)
+    rows = [line for line in out.splitlines() if line.startswith("| 9-319 |")]
+    assert len(rows) == 1 and "| 131,072 | 155.0 | 845,626 | 356.5 | 2.300x | 155.0 | 1.000x |" in rows[0], out
+    assert "| 5.0000 (329) |" in out
+    assert main(["compare", str(dirs["on"]), str(dirs["shifted"]), "--noise", str(dirs["seed1"])]) == 0
+    assert "**on and shifted differ by more than the noise**" in capsys.readouterr().out
+    # without --noise: the differences, no verdict
+    assert main(["compare", str(dirs["on"]), str(dirs["off"]), "--labels", "A", "B"]) == 0
+    out = capsys.readouterr().out
+    assert "| A − B | 33 |" in out and "noise" not in out.split("Speed")[0]
+
+
+def test_compare_errors_are_one_line(tmp_path, capsys):
+    a = _logged_run(tmp_path, "a", {s: 3.0 for s in range(0, 50, 10)})
+    b = _logged_run(tmp_path, "b", {s: 3.0 for s in range(5, 50, 10)})
+    _one_line_error(capsys, ["compare", str(a), str(b)], "no common step", "log_every_n_steps")
+    _one_line_error(capsys, ["compare", str(a), str(a), "--labels", "x"], "--labels got 1 labels for 2 runs")
+    _one_line_error(capsys, ["compare", str(a), str(tmp_path / "missing")], "run folder", "not found")
+
+
+@pytest.mark.slow
+def test_compare_reads_real_runs(ablation, capsys):
+    from nanogpt_pl.cli import main
+
+    out, _ = ablation
+    # quickstart has no FP8, so no_fp8 trains the base's bits on CPU: no difference at any step,
+    # within the noise of any other run (here the AdamW ablation)
+    assert main(["compare", str(out / "base"), str(out / "no_fp8"), "--noise", str(out / "adamw_matrices")]) == 0
+    text = capsys.readouterr().out
+    assert f"| base − no_fp8 | {STEPS} | +0.0000 | 0.0000 | 0.0000 (0) |" in text, text
+    assert "**base and no_fp8 agree within noise**" in text
