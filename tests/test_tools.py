@@ -307,4 +307,4 @@ def test_compare_reads_real_runs(ablation, capsys):
     assert main(["compare", str(out / "base"), str(out / "no_fp8"), "--noise", str(out / "adamw_matrices")]) == 0
     text = capsys.readouterr().out
     assert f"| base − no_fp8 | {STEPS} | +0.0000 | 0.0000 | 0.0000 (0) |" in text, text
-    assert "**base and no_fp8 agree within noise**" in text
+    assert "**base and no_fp8 agree within noise**" in text and "(the two are equal at every shared step)" in text

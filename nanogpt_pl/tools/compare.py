@@ -141,8 +141,10 @@ def report(runs: Sequence[RunLog], noise: Optional[RunLog] = None, lo: int = 0, 
     if seed_pair is not None:
         agree = pair.mean_abs <= seed_pair.mean_abs
         verdict = "agree within noise" if agree else "differ by more than the noise"
+        ratio = (f"{seed_pair.mean_abs / pair.mean_abs:.2f}x" if pair.mean_abs > 0
+                 else "the two are equal at every shared step")
         lines += ["", f"**{a.label} and {b.label} {verdict}**: mean |Δ| {pair.mean_abs:.4f} against "
-                  f"{seed_pair.mean_abs:.4f} between seeds ({seed_pair.mean_abs / max(pair.mean_abs, 1e-12):.2f}x)."]
+                  f"{seed_pair.mean_abs:.4f} between seeds ({ratio})."]
     speed = stretches(a, lo, hi)
     if speed:
         lines += ["", f"Speed, from train/time (B / A > 1: {a.label} is faster):", "",
