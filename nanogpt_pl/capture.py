@@ -214,6 +214,40 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def backward_into_grads(backward: Callable[[], None], params: Sequence[Tensor]) -> None:
+    """Run ``backward`` and add what it gives each parameter into the ``.grad`` it already had.
+
+    The result is what autograd's own accumulation gives, bit for bit (the same elementwise
+    add), and every ``.grad`` keeps its tensor (a graph's persistent buffer stays the one it
+    baked in). The difference is the kernels: autograd adds each parameter's gradient alone,
+    about 95 small adds a micro-batch in the record network (BENCHMARKS.md, "Capture on and
+    off", the stage-2 profile: 761 add kernels, 4.4 ms a step); here the backward writes fresh
+    gradients and one multi-tensor add folds them in. A parameter whose ``.grad`` was None
+    gets the fresh gradient; one the backward does not reach keeps its ``.grad``.
+    """
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        backward()
+    finally:
+        dst, src = [], []
+        for p, old in zip(params, held):
+            new = p.grad
+            if old is None:
+                continue
+            p.grad = old
+            if new is None:
+                continue
+            if new.layout == old.layout == torch.strided and new.dtype == old.dtype and new.shape == old.shape:
+                dst.append(old)
+                src.append(new)
+            else:  # a sparse or mismatched gradient: autograd's own form of the add
+                old.add_(new)
+        if dst:
+            torch._foreach_add_(dst, src)
+
+
 def close_failed_capture() -> None:
     """Take the current device's CUDA generator out of capture mode after a capture failed.
 
@@ -273,7 +307,8 @@ class StepGraphs:
     Generic over the model: :meth:`run` takes the key, the micro-batch's inputs (a nest of
     dicts/dataclasses of tensors; tensors that require grad are the sparse leaves) and two
     callables, ``forward(inputs) -> (loss, scaled)`` and ``backward(scaled)`` (the eager
-    backward, e.g. Lightning's ``manual_backward``; captures call ``torch.autograd.backward``).
+    backward, e.g. Lightning's ``manual_backward``; captures call ``torch.autograd.backward``
+    through :func:`backward_into_grads`).
 
     Args:
         params: the parameters whose gradients the backward accumulates.
@@ -499,7 +534,7 @@ class StepGraphs:
         # thread_local: the data loader's prefetch thread may pin memory meanwhile
         with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             loss, scaled = forward(static_inputs)
-            torch.autograd.backward(scaled)
+            backward_into_grads(lambda: torch.autograd.backward(scaled), used)
             static_loss = loss.detach()
         return graph, static_inputs, static_loss, tuple(v.grad for v in static_leaves)
 

@@ -30,6 +30,7 @@ from nanogpt_pl.capture import (
     _flatten,
     _static_copy,
     _tensor_pairs,
+    backward_into_grads,
     capture_key,
     cuda_graphs_active,
     max_seqlen_bound,
@@ -401,6 +402,81 @@ def test_gradient_buffers_follow_eager_none_semantics():
     assert torch.equal(a.grad, torch.ones(3))
     c = torch.nn.Parameter(torch.randn(1))
     assert c.grad is None  # a parameter no key used keeps None (optimizers skip it)
+
+
+@pytest.mark.parametrize("seed", [fresh_seed()])
+def test_backward_into_grads_accumulates_autograds_bits_into_the_same_buffers(seed, one_thread):
+    # the record network (every layer kind, FP8 reference layers, n-gram and value embeddings):
+    # two micro-batches through autograd's own accumulation against the captured form, which
+    # sets every .grad aside, runs the backward and folds the fresh gradients in with one add
+    import yaml
+
+    spec = yaml.safe_load(open("configs/speedrun.yaml"))["model"]["gpt"]
+    gpt = GPTConfig(**{**spec, "vocab_size": 50304, "model_dim": 96, "head_dim": 16, "mlp_hidden": 64,
+                       "ngram_rows": 4096})
+    module = make_module("cpu", False, every_technique_schedule(steps=2, seq_len=256), gpt, seed=seed % 1000,
+                         backends=Backends(fp8="reference"))
+    module.apply_schedule(0)
+    mbs = step_batch(module, 0, seed=seed, micro_batches=2, seq_len=256)
+    params = [p for p in module.model.parameters() if p.requires_grad]
+
+    def micro(mb):
+        sparse = module.sparse_channels.inputs(mb["inputs"], train=True)
+        return module._micro_loss(mb, sparse)
+
+    module.model.zero_grad(set_to_none=True)
+    for mb in mbs:
+        micro(mb).backward()
+    reference = [None if p.grad is None else p.grad.clone() for p in params]
+    assert sum(g is not None for g in reference) > 20
+
+    module.model.zero_grad(set_to_none=True)
+    # persistent buffers for every other parameter the backward reaches (as _attach gives them);
+    # the rest start at None, and one unreached parameter holds a gradient it must keep
+    buffers = {id(p): torch.zeros_like(p) for i, (p, g) in enumerate(zip(params, reference))
+               if g is not None and i % 2 == 0}
+    for p in params:
+        p.grad = buffers.get(id(p))
+    unreached = [p for p, g in zip(params, reference) if g is None]
+    kept = {id(p): torch.full_like(p, 3.0) for p in unreached[:1]}
+    for p in unreached[:1]:
+        p.grad = kept[id(p)]
+    for mb in mbs:
+        backward_into_grads(lambda mb=mb: micro(mb).backward(), params)
+    for p, ref in zip(params, reference):
+        if id(p) in buffers:
+            assert p.grad is buffers[id(p)]  # the graph's buffer, not a new tensor
+        if id(p) in kept:
+            assert p.grad is kept[id(p)] and torch.equal(p.grad, torch.full_like(p, 3.0))
+        elif ref is None:
+            assert p.grad is None
+        else:
+            assert torch.equal(p.grad, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_into_grads_matches_autograd_in_low_precision_and_for_sparse_gradients(dtype):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(64, 48, generator=gen).to(dtype))
+    emb = torch.nn.Embedding(100, 48, sparse=True).to(dtype)
+    ids = [torch.randint(0, 100, (32,), generator=gen) for _ in range(3)]
+    xs = [torch.randn(32, 64, generator=gen).to(dtype) for _ in range(3)]
+
+    def loss(i):
+        return ((xs[i] @ w + emb(ids[i])).float() ** 2).mean()
+
+    for p in (w, emb.weight):
+        p.grad = None
+    for i in range(3):
+        loss(i).backward()
+    ref_w, ref_e = w.grad.clone(), emb.weight.grad.coalesce().to_dense()
+    buf = torch.zeros_like(w)
+    w.grad, emb.weight.grad = buf, None
+    for i in range(3):
+        backward_into_grads(lambda i=i: loss(i).backward(), [w, emb.weight])
+    assert w.grad is buf and torch.equal(buf, ref_w), seed  # bit for bit, also in bf16
+    assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.coalesce().to_dense(), ref_e), seed
 
 
 # -- the loss with device-side MTP weights ---------------------------------------------------------
