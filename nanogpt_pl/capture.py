@@ -223,29 +223,33 @@ def backward_into_grads(backward: Callable[[], None], params: Sequence[Tensor]) 
     about 95 small adds a micro-batch in the record network (BENCHMARKS.md, "Capture on and
     off", the stage-2 profile: 761 add kernels, 4.4 ms a step); here the backward writes fresh
     gradients and one multi-tensor add folds them in. A parameter whose ``.grad`` was None
-    gets the fresh gradient; one the backward does not reach keeps its ``.grad``.
+    gets the fresh gradient; one the backward does not reach keeps its ``.grad``. If the
+    backward raises, every ``.grad`` is put back as it was and nothing is added.
     """
     held = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
         backward()
-    finally:
-        dst, src = [], []
+    except BaseException:
         for p, old in zip(params, held):
-            new = p.grad
-            if old is None:
-                continue
             p.grad = old
-            if new is None:
-                continue
-            if new.layout == old.layout == torch.strided and new.dtype == old.dtype and new.shape == old.shape:
-                dst.append(old)
-                src.append(new)
-            else:  # a sparse or mismatched gradient: autograd's own form of the add
-                old.add_(new)
-        if dst:
-            torch._foreach_add_(dst, src)
+        raise
+    dst, src = [], []
+    for p, old in zip(params, held):
+        new = p.grad
+        if old is None:
+            continue
+        p.grad = old
+        if new is None:
+            continue
+        if new.layout == old.layout == torch.strided and new.dtype == old.dtype and new.shape == old.shape:
+            dst.append(old)
+            src.append(new)
+        else:  # a sparse or mismatched gradient: autograd's own form of the add
+            old.add_(new)
+    if dst:
+        torch._foreach_add_(dst, src)
 
 
 def close_failed_capture() -> None:

@@ -478,6 +478,18 @@ def test_backward_into_grads_matches_autograd_in_low_precision_and_for_sparse_gr
     assert w.grad is buf and torch.equal(buf, ref_w), seed  # bit for bit, also in bf16
     assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.coalesce().to_dense(), ref_e), seed
 
+    # a backward that fails puts every .grad back untouched
+    held = buf.clone()
+    sparse_grad = emb.weight.grad
+
+    def failing():
+        loss(0).backward()
+        raise RuntimeError("backward failed")
+
+    with pytest.raises(RuntimeError, match="backward failed"):
+        backward_into_grads(failing, [w, emb.weight])
+    assert w.grad is buf and torch.equal(buf, held) and emb.weight.grad is sparse_grad
+
 
 # -- the loss with device-side MTP weights ---------------------------------------------------------
 @pytest.mark.parametrize("backend", ["reference", "chunked"])
