@@ -222,7 +222,7 @@ def backward_into_grads(backward: Callable[[], None], params: Sequence[Tensor]) 
     baked in). The difference is the kernels: autograd adds each parameter's gradient alone,
     about 95 small adds a micro-batch in the record network (BENCHMARKS.md, "Capture on and
     off", the stage-2 profile: 761 add kernels, 4.4 ms a step); here the backward writes fresh
-    gradients and one multi-tensor add folds them in. A parameter whose ``.grad`` was None
+    gradients and one multi-tensor add per dtype folds them in. A parameter whose ``.grad`` was None
     gets the fresh gradient; one the backward does not reach keeps its ``.grad``. If the
     backward raises, every ``.grad`` is put back as it was and nothing is added.
     """
@@ -235,7 +235,8 @@ def backward_into_grads(backward: Callable[[], None], params: Sequence[Tensor]) 
         for p, old in zip(params, held):
             p.grad = old
         raise
-    dst, src = [], []
+    # the multi-tensor kernels take one device and dtype a call, and tensors of equal strides
+    groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
     for p, old in zip(params, held):
         new = p.grad
         if old is None:
@@ -243,12 +244,14 @@ def backward_into_grads(backward: Callable[[], None], params: Sequence[Tensor]) 
         p.grad = old
         if new is None:
             continue
-        if new.layout == old.layout == torch.strided and new.dtype == old.dtype and new.shape == old.shape:
+        if (new.layout == old.layout == torch.strided and new.dtype == old.dtype and new.shape == old.shape
+                and new.device == old.device and new.stride() == old.stride()):
+            dst, src = groups.setdefault((old.device, old.dtype), ([], []))
             dst.append(old)
             src.append(new)
         else:  # a sparse or mismatched gradient: autograd's own form of the add
             old.add_(new)
-    if dst:
+    for dst, src in groups.values():
         torch._foreach_add_(dst, src)
 
 

@@ -455,28 +455,44 @@ def test_backward_into_grads_accumulates_autograds_bits_into_the_same_buffers(se
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backward_into_grads_matches_autograd_in_low_precision_and_for_sparse_gradients(dtype):
+def test_backward_into_grads_matches_autograd_in_low_precision_and_for_sparse_gradients(dtype, monkeypatch):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     w = torch.nn.Parameter(torch.randn(64, 48, generator=gen).to(dtype))
+    v = torch.nn.Parameter(torch.randn(48, 64, generator=gen).to(dtype).t())  # a transposed parameter
+    gain = torch.nn.Parameter(torch.randn(48, generator=gen))  # fp32 beside the others, as the scalars are
     emb = torch.nn.Embedding(100, 48, sparse=True).to(dtype)
     ids = [torch.randint(0, 100, (32,), generator=gen) for _ in range(3)]
     xs = [torch.randn(32, 64, generator=gen).to(dtype) for _ in range(3)]
+    params = [w, v, gain, emb.weight]
 
     def loss(i):
-        return ((xs[i] @ w + emb(ids[i])).float() ** 2).mean()
+        return ((xs[i] @ (w + v) * gain + emb(ids[i])).float() ** 2).mean()
 
-    for p in (w, emb.weight):
+    for p in params:
         p.grad = None
     for i in range(3):
         loss(i).backward()
-    ref_w, ref_e = w.grad.clone(), emb.weight.grad.coalesce().to_dense()
-    buf = torch.zeros_like(w)
-    w.grad, emb.weight.grad = buf, None
+    ref = [w.grad.clone(), v.grad.clone(), gain.grad.clone(), emb.weight.grad.coalesce().to_dense()]
+    bufs = [torch.zeros_like(p) for p in (w, v, gain)]
+    w.grad, v.grad, gain.grad, emb.weight.grad = *bufs, None
+    calls = []
+    foreach_add = torch._foreach_add_
+
+    def recording(dst, src):
+        calls.append({t.dtype for t in dst + src})
+        return foreach_add(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_add_", recording)
     for i in range(3):
-        backward_into_grads(lambda i=i: loss(i).backward(), [w, emb.weight])
-    assert w.grad is buf and torch.equal(buf, ref_w), seed  # bit for bit, also in bf16
-    assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.coalesce().to_dense(), ref_e), seed
+        backward_into_grads(lambda i=i: loss(i).backward(), params)
+    for p, buf, r in zip((w, v, gain), bufs, ref):
+        assert p.grad is buf and torch.equal(buf, r), seed  # bit for bit, also in bf16
+    assert v.grad.stride() == v.stride()
+    assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.coalesce().to_dense(), ref[3]), seed
+    # one multi-tensor add per dtype and micro-batch (the kernels take one dtype a call)
+    assert all(len(c) == 1 for c in calls) and len(calls) == (2 if dtype != torch.float32 else 1) * 3, calls
+    buf = bufs[0]
 
     # a backward that fails puts every .grad back untouched
     held = buf.clone()
@@ -487,7 +503,7 @@ def test_backward_into_grads_matches_autograd_in_low_precision_and_for_sparse_gr
         raise RuntimeError("backward failed")
 
     with pytest.raises(RuntimeError, match="backward failed"):
-        backward_into_grads(failing, [w, emb.weight])
+        backward_into_grads(failing, params)
     assert w.grad is buf and torch.equal(buf, held) and emb.weight.grad is sparse_grad
 
 
