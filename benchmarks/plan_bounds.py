@@ -36,7 +36,7 @@ from nanogpt_pl.data import stream as stream_mod  # noqa: E402
 from nanogpt_pl.data.datamodule import SpeedrunDataModule  # noqa: E402
 from nanogpt_pl.data.planning import distinct_tokens, slice_tokens  # noqa: E402
 from nanogpt_pl.data.stream import PlanBounds  # noqa: E402
-from nanogpt_pl.distributed.sparse_channels import VALUE_ROWS_MULTIPLE  # noqa: E402
+from nanogpt_pl.distributed.sparse_channels import reserved_value_rows  # noqa: E402
 from nanogpt_pl.schedule import Schedule  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     for T in sorted(bounds.distinct_tokens):
         most = bounds.distinct_tokens[T]
         full = min(T, vocab)
-        leaf = min(full, -(-most // VALUE_ROWS_MULTIPLE) * VALUE_ROWS_MULTIPLE)
+        leaf = reserved_value_rows(most, full)
         mib = planes * dim * 4 / 2**20
         print(f"| {T:,} | {most:,} | {leaf:,} | {full:,} | {leaf * mib:.1f} | {full * mib:.1f} | {full / leaf:.2f}x |")
 

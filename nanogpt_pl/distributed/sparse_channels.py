@@ -23,6 +23,12 @@ from .value_embed_shard import ValueEmbedShard
 VALUE_ROWS_MULTIPLE = 64
 
 
+def reserved_value_rows(distinct: int, full: int) -> int:
+    """The value-embedding leaf's rows for at most ``distinct`` distinct ids: rounded up to
+    :data:`VALUE_ROWS_MULTIPLE`, at most ``full`` (min(T, V))."""
+    return min(full, -(-int(distinct) // VALUE_ROWS_MULTIPLE) * VALUE_ROWS_MULTIPLE)
+
+
 class SparseChannels:
     """The module's view of the sparse channels: per-micro-batch inputs and gradient hand-back.
 
@@ -61,7 +67,7 @@ class SparseChannels:
             return
         for tokens, ids in distinct.items():
             tokens = int(tokens)
-            rows = min(self._full_rows(tokens), -(-int(ids) // VALUE_ROWS_MULTIPLE) * VALUE_ROWS_MULTIPLE)
+            rows = reserved_value_rows(ids, self._full_rows(tokens))
             self._value_rows[tokens] = max(self._value_rows.get(tokens, 0), rows)
 
     def _full_rows(self, tokens: int) -> int:
