@@ -272,6 +272,46 @@ def compact_value_rows(tables: list[Tensor], input_ids: Tensor, pad_to: Optional
     return CompactRows(values=padded_leaf(values, pad_to, dtype), index=index, ids=ids)
 
 
+def resolve_value_rows_backend(backend: str, device: torch.device | str) -> str:
+    """``reference`` or ``triton`` for the value planes' gather gradient (``model.backends.value_rows``);
+    raises for an unknown choice or a ``triton`` the device cannot run."""
+    return resolve_opt_in("value_rows", backend, device, "the value rows are")
+
+
+class _GatherPlanes(torch.autograd.Function):
+    """``values[p, index]`` in ``dtype`` for every plane, whose backward is the sorted segment sum."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, index: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.leaf_dtype = values.shape[1], values.dtype
+        return tuple(values[p][index].to(dtype) for p in range(values.shape[0]))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        from ..ops.triton.row_sum import sorted_row_sum
+
+        (index,) = ctx.saved_tensors
+        if all(g is None for g in grads):
+            return None, None, None
+        return sorted_row_sum(list(grads), index, ctx.rows, ctx.leaf_dtype), None, None
+
+
+def gather_planes(values: Tensor, index: Tensor, dtype: torch.dtype, backend: str = "auto") -> tuple[Tensor, ...]:
+    """Every plane of a micro-batch's value leaf ``[P, U, D]`` at the tokens' rows: ``P`` tensors ``[T, D]``.
+
+    ``reference`` gathers all planes at once; autograd's backward scatters ``P·T`` rows into the
+    leaf's gradient with one atomic add per element. ``triton`` (``model.backends.value_rows``)
+    gives the same values and sums the gradient per row after sorting the tokens by row
+    (``nanogpt_pl.ops.triton.row_sum``): one atomic per run of equal rows in a chunk of 64.
+    """
+    if values.requires_grad and resolve_value_rows_backend(backend, values.device) == "triton":
+        return _GatherPlanes.apply(values, index, dtype)
+    planes = values[:, index].to(dtype)
+    return tuple(planes[p] for p in range(planes.shape[0]))
+
+
 class HashedNgramEmbedding(nn.Module):
     """x0_ngram from the compact rows a micro-batch needs (no parameters of its own).
 

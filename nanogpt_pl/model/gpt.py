@@ -33,10 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backends import Backends
+from ..backends import Backends, check_opt_in
 from ..data.tokenizer import PADDED_VOCAB
 from .attention import AttentionSpec, CausalSelfAttention, paired_positions, segment_positions
-from .embeddings import NGRAM_GATE_INIT, CompactRows, HashedNgramEmbedding, NgramInput, check_ngram_rows
+from .embeddings import (
+    NGRAM_GATE_INIT,
+    CompactRows,
+    HashedNgramEmbedding,
+    NgramInput,
+    check_ngram_rows,
+    gather_planes,
+)
 from .mlp import MLP
 from .mudd import (
     CACHE_LAYERS,
@@ -391,6 +398,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         backends = Backends() if backends is None else backends
+        check_opt_in("value_rows", backends.value_rows)
+        self.value_rows_backend = backends.value_rows
         d = cfg.model_dim
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d) * LM_HEAD_INIT_STD)
         # RECORD §2: the embedding starts as a copy of the lm_head (the training module keeps the
@@ -512,9 +521,9 @@ class GPT(nn.Module):
             x = x + gates["ngram"][0] * x0_ngram
         ctx = self._context(cu_seqlens, max_seqlen, windows, n, x.dtype)
         if value_rows is not None:
-            # one gather over all planes: its backward is one scatter into the leaf's [P, U, D]
+            # one gather over all planes: its backward is one pass into the leaf's [P, U, D]
             # gradient (a gather per plane gave [U, D] gradients that a further pass stacked)
-            planes = value_rows.values[:, value_rows.index].to(x.dtype)
+            planes = gather_planes(value_rows.values, value_rows.index, x.dtype, self.value_rows_backend)
             ve_of_layer = {layer: planes[p] for p, layer in enumerate(cfg.value_embed_layers)}
         else:
             ve_of_layer = {layer: F.embedding(input_ids, table).to(x.dtype)
