@@ -17,6 +17,8 @@ exact (non-TF32) product, and so do bf16 ones under ``TRITON_INTERPRET=1``, whos
 mishandles bf16 operands.
 
 :func:`row_sum_reference` is the plain PyTorch definition (``index_add_``) the tests compare with.
+On an H100 a stage-2 micro-batch's gather, forward and backward, took 0.741 ms against inductor's
+2.281 ms (``benchmarks/value_rows.py``; BENCHMARKS.md, session 6).
 """
 
 from __future__ import annotations
