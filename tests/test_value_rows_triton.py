@@ -82,6 +82,17 @@ def test_sorted_row_sum_one_row_and_one_token():
                            row_sum_reference(grads, index, rows, torch.float32))
 
 
+@interp
+def test_sorted_row_sum_names_mismatched_shapes():
+    from nanogpt_pl.ops.triton.row_sum import sorted_row_sum
+
+    g = torch.randn(10, 16)
+    with pytest.raises(ValueError, match="sorted_row_sum: 9 indices"):
+        sorted_row_sum([g], torch.zeros(9, dtype=torch.long), 4, torch.float32)
+    with pytest.raises(ValueError, match=r"\(10, 16\), \(10, 8\)"):
+        sorted_row_sum([g, torch.randn(10, 8)], torch.zeros(10, dtype=torch.long), 4, torch.float32)
+
+
 # -- gather_planes: triton against reference --------------------------------------------------
 def _leaf(gen: torch.Generator, planes: int, rows: int, d: int) -> torch.Tensor:
     return torch.randn(planes, rows, d, generator=gen).requires_grad_()

@@ -71,6 +71,9 @@ def sorted_row_sum(grads: list[Optional[Tensor]], index: Tensor, rows: int, dtyp
     """
     like = next(g for g in grads if g is not None)
     n, d = like.shape
+    if index.numel() != n or any(g is not None and g.shape != like.shape for g in grads):
+        raise ValueError(f"sorted_row_sum: {index.numel()} indices for gradients of shapes "
+                         f"{[None if g is None else tuple(g.shape) for g in grads]}; give one [T, D] per plane")
     out = torch.zeros(len(grads), rows, d, device=like.device, dtype=torch.float32)
     if n:
         keys = index.reshape(-1).to(torch.int32) if rows < 2**31 else index.reshape(-1)
