@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import time_cuda  # noqa: E402
 
 import nanogpt_pl.ops.triton.row_sum as row_sum  # noqa: E402
+from nanogpt_pl.distributed.sparse_channels import reserved_value_rows  # noqa: E402
 from nanogpt_pl.model.embeddings import gather_planes  # noqa: E402
 
 PLANES, DIM, VOCAB = 4, 768, 50_257  # RECORD §2: four value-embedding planes of the model width
@@ -72,7 +73,7 @@ def main() -> None:
         return
 
     index, distinct, top = zipf_rows(args.tokens, args.exponent, seed=0)
-    rows = -(-distinct // 64) * 64  # the leaf's rows, rounded up as the plan reserves them
+    rows = reserved_value_rows(distinct, min(args.tokens, VOCAB))  # the leaf's rows, as the plan reserves them
     device = torch.device("cuda")
     index = index.to(device)
     gen = torch.Generator(device=device).manual_seed(1)
