@@ -649,3 +649,29 @@ def test_plan_sized_value_rows_train_the_same_bits_as_min_t_v_and_the_reference(
         assert torch.equal(ve.adam.exp_avg, ref.adam.exp_avg) and torch.equal(ve.adam.exp_avg_sq, ref.adam.exp_avg_sq)
     assert runs["plan"][0].value_embeds.step_count == steps
     assert not torch.equal(runs["plan"][1][0], planes[0])  # the planes moved
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_fixed_dedup_sorts_int32_keys_to_the_int64_result(seed: int) -> None:
+    """Row ids under 2**31 sort as int32 keys (half the radix passes on a GPU): the same unique
+    rows, inverse and segments as the int64 sort, up to the largest int32 value."""
+    from nanogpt_pl.distributed.row_exchange import INT32_MAX, segments_fixed, sort_values, unique_fixed
+
+    gen = torch.Generator().manual_seed(seed)
+    top = torch.tensor([INT32_MAX - 1, INT32_MAX - 2, 0, 1])
+    rows = torch.cat([torch.randint(0, INT32_MAX, (300,), generator=gen), torch.randint(0, 50, (200,), generator=gen),
+                      top])[torch.randperm(504, generator=gen)]
+    keys, order = sort_values(rows, INT32_MAX)
+    assert keys.dtype == torch.int32 and torch.equal(rows[order], torch.sort(rows, stable=True).values)
+    assert sort_values(rows, INT32_MAX + 1)[0].dtype == torch.int64
+    real = torch.unique(rows)
+    for fill in (INT32_MAX, 2**40):  # int32 keys, then int64 keys
+        padded = torch.cat([rows, torch.full((40,), fill)])
+        unique, inverse = unique_fixed(padded, padded.numel(), fill)
+        assert unique.dtype == torch.int64
+        assert torch.equal(unique[: real.numel()], real) and torch.equal(unique[inverse], padded)
+        seg = segments_fixed(padded, padded.numel(), fill)
+        assert torch.equal(seg.unique[: real.numel()], real) and bool((seg.unique[real.numel():] == fill).all())
+        assert torch.equal(padded[seg.order[: rows.numel()]], torch.sort(rows, stable=True).values)
+        counts = seg.offsets[1:] - seg.offsets[:-1]
+        assert torch.equal(counts[: real.numel()], torch.unique(rows, return_counts=True)[1])

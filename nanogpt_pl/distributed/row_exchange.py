@@ -338,6 +338,22 @@ def merge_compact(entries: list[tuple[Tensor, Tensor]], empty_shape: tuple[int, 
     return unique, merged
 
 
+INT32_MAX = torch.iinfo(torch.int32).max
+
+
+def sort_values(values: Tensor, fill: int) -> tuple[Tensor, Tensor]:
+    """``torch.sort(values, stable=True)`` of 1-D row ids no larger than ``fill``, keys as narrow as fit.
+
+    The sort is a radix sort on the GPU, one pass per 8 bits of the key: int64 ids whose
+    largest value ``fill`` fits in int32 (every table here) sort as int32 keys in half the
+    passes, to the same order. The sorted values come back in int32 then (the caller widens
+    what it keeps); ``values`` must not be below -2**31.
+    """
+    if values.dtype == torch.int64 and fill <= INT32_MAX:
+        values = values.to(torch.int32)
+    return torch.sort(values, stable=True)
+
+
 def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tensor]:
     """Sorted unique entries of 1-D ``values`` in a ``[capacity]`` buffer padded with ``fill``, and the inverse.
 
@@ -353,7 +369,7 @@ def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tens
     slots and the contents of ``unique`` do not change. With fill entries present,
     ``capacity`` must exceed the number of distinct real values.
     """
-    sorted_, order = torch.sort(values, stable=True)
+    sorted_, order = sort_values(values, fill)
     is_fill = sorted_ == fill
     new = torch.ones_like(sorted_, dtype=torch.bool)
     new[1:] = (sorted_[1:] != sorted_[:-1]) | is_fill[1:]
@@ -363,7 +379,7 @@ def unique_fixed(values: Tensor, capacity: int, fill: int) -> tuple[Tensor, Tens
     spare = (capacity - first_fill).clamp(min=1)
     segment = torch.where(is_fill, first_fill + (segment - first_fill) % spare, segment)
     unique = torch.full((capacity,), fill, dtype=values.dtype, device=values.device)
-    unique.scatter_(0, segment, sorted_)  # repeats write the same value
+    unique.scatter_(0, segment, sorted_.to(values.dtype))  # repeats write the same value
     inverse = torch.empty_like(segment)
     inverse.scatter_(0, order, segment)
     return unique, inverse
@@ -386,7 +402,7 @@ def segments_fixed(values: Tensor, capacity: int, fill: int) -> Segments:
     entries belong to no slot; ``fill`` must exceed every real value and ``capacity`` be at
     least the number of distinct real values.
     """
-    sorted_, order = torch.sort(values, stable=True)
+    sorted_, order = sort_values(values, fill)
     real = sorted_ != fill
     new = real.clone()
     new[1:] &= sorted_[1:] != sorted_[:-1]
@@ -397,7 +413,7 @@ def segments_fixed(values: Tensor, capacity: int, fill: int) -> Segments:
     offsets = real.sum().expand(capacity + 2).clone()
     offsets.scatter_(0, first, torch.arange(values.numel(), device=values.device))
     unique = torch.full((capacity + 2,), fill, dtype=values.dtype, device=values.device)
-    unique.scatter_(0, first, sorted_)
+    unique.scatter_(0, first, sorted_.to(values.dtype))
     return Segments(unique[:capacity], order, offsets[: capacity + 1], slot)
 
 
