@@ -6,11 +6,11 @@ one place::
 
     model:
       backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto, adam: auto, ngram: auto,
-                 value_rows: auto}
+                 ngram_rows: auto, value_rows: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
 has not yet been timed against its reference on a GPU (``anvil``, ``adam``, ``ngram``,
-``value_rows``): there ``auto`` is the reference and the fast path is chosen by name. The values are
+``ngram_rows``, ``value_rows``): there ``auto`` is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
 former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device cannot run.
@@ -23,7 +23,8 @@ from typing import Union
 
 import torch
 
-# The choices of a part whose Triton path is taken only when named (``anvil``, ``adam``, ``ngram``, ``value_rows``)
+# The choices of a part whose Triton path is taken only when named (``anvil``, ``adam``, ``ngram``, ``ngram_rows``,
+# ``value_rows``)
 OPT_IN_CHOICES = ("auto", "reference", "triton")
 
 
@@ -72,6 +73,9 @@ class Backends:
         ngram: the n-gram channel's hashes of a micro-batch's tokens (bigram and trigram rows and
             their sign rows; ``nanogpt_pl.model.embeddings.ngram_hashes``): ``auto``, ``reference``
             or ``triton`` (one pass).
+        ngram_rows: the gradient of the n-gram channel's compact leaf
+            (``nanogpt_pl.model.embeddings.HashedNgramEmbedding``): ``auto``, ``reference`` (a zero
+            fill and autograd's atomic scatter) or ``triton`` (sorted by row, every row stored once).
         value_rows: the gradient of the value-embedding planes' gather from a micro-batch's compact
             leaf (``nanogpt_pl.model.embeddings.gather_planes``): ``auto``, ``reference`` (autograd's
             atomic scatter) or ``triton`` (sorted by row, one atomic a run of equal rows).
@@ -84,4 +88,5 @@ class Backends:
     anvil: str = "auto"
     adam: str = "auto"
     ngram: str = "auto"
+    ngram_rows: str = "auto"
     value_rows: str = "auto"

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backends import resolve_opt_in
+from ..backends import check_opt_in, resolve_opt_in
 
 # RECORD §3 "Row hashes": multipliers of the bigram and trigram row hashes.
 BIGRAM_MUL_CUR, BIGRAM_MUL_PREV = 36313, 27191
@@ -312,6 +312,34 @@ def gather_planes(values: Tensor, index: Tensor, dtype: torch.dtype, backend: st
     return tuple(planes[p] for p in range(planes.shape[0]))
 
 
+def resolve_ngram_rows_backend(backend: str, device: torch.device | str) -> str:
+    """``reference`` or ``triton`` for the n-gram leaf's gradient (``model.backends.ngram_rows``);
+    raises for an unknown choice or a ``triton`` the device cannot run."""
+    return resolve_opt_in("ngram_rows", backend, device, "the n-gram rows are")
+
+
+def _signed_ngram_rows(values: Tensor, index: Tensor, sign_rows: Tensor, signs: Tensor, dtype: torch.dtype) -> Tensor:
+    rows = F.embedding(index, values.float())  # [2, T, D]
+    return (rows * F.embedding(sign_rows, signs.float())).sum(0).to(dtype)
+
+
+class _SignedNgramRows(torch.autograd.Function):
+    """:func:`_signed_ngram_rows`, whose leaf gradient is summed per row and stored once (Triton)."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, index: Tensor, sign_rows: Tensor, signs: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(index, sign_rows, signs)
+        ctx.rows, ctx.leaf_dtype = values.shape[0], values.dtype
+        return _signed_ngram_rows(values, index, sign_rows, signs, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from ..ops.triton.ngram_grad import ngram_grad
+
+        index, sign_rows, signs = ctx.saved_tensors
+        return ngram_grad(grad, index, sign_rows, signs, ctx.rows).to(ctx.leaf_dtype), None, None, None, None
+
+
 class HashedNgramEmbedding(nn.Module):
     """x0_ngram from the compact rows a micro-batch needs (no parameters of its own).
 
@@ -320,20 +348,26 @@ class HashedNgramEmbedding(nn.Module):
 
     Args:
         dim: row width (the model dim).
+        backend: the leaf gradient's path (``model.backends.ngram_rows``): ``auto`` and
+            ``reference`` are autograd's (a zero fill and an atomic add per element), ``triton``
+            sums each row's terms after sorting and stores every row once
+            (``nanogpt_pl.ops.triton.ngram_grad``). The forward is the same either way.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, backend: str = "auto") -> None:
         super().__init__()
+        check_opt_in("ngram_rows", backend)
         self.dim = dim
+        self.backend = backend
         self.register_buffer("signs", make_sign_table(dim))
 
     def forward(self, ngram: NgramInput, dtype: torch.dtype) -> Tensor:
         values = ngram.values
         if values.shape[-1] != self.dim:
             raise ValueError(f"n-gram rows have width {values.shape[-1]}, the model expects {self.dim}")
-        rows = F.embedding(ngram.index, values.float())  # [2, T, D]; backward sums per unique row
-        signs = F.embedding(ngram.sign_rows, self.signs.float())
-        return (rows * signs).sum(0).to(dtype)
+        if values.requires_grad and resolve_ngram_rows_backend(self.backend, values.device) == "triton":
+            return _SignedNgramRows.apply(values, ngram.index, ngram.sign_rows, self.signs, dtype)
+        return _signed_ngram_rows(values, ngram.index, ngram.sign_rows, self.signs, dtype)
 
 
 def dense_ngram_reference(table: Tensor, input_ids: Tensor, signs: Tensor) -> Tensor:

@@ -410,7 +410,7 @@ class GPT(nn.Module):
         )
         if cfg.ngram_rows:
             # only the fixed sign table and the gates live here; the table is sharded over ranks
-            self.ngram = HashedNgramEmbedding(d)
+            self.ngram = HashedNgramEmbedding(d, backends.ngram_rows)
             if not cfg.mudd:
                 self.ngram_gates = nn.Parameter(torch.full((1 + len(cfg.ngram_layers),), NGRAM_GATE_INIT))
         long_scale = cfg.attn_scale if cfg.attn_scale_long is None else cfg.attn_scale_long
