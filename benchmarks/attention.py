@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--median-doc", type=float, default=MEDIAN_DOC)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the triton kernels")
+    ap.add_argument("--sweep-kernels", default="fwd,dkdv,dq",
+                    help="with --sweep: the kernels whose tiles to time (fwd is timed forward only)")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES),
                     help="comma-separated subset of: " + ", ".join(c[0] for c in CASES))
     args = ap.parse_args()
@@ -198,7 +200,7 @@ def main() -> None:
             diff = (outs["flex"] - outs["triton"]).abs().max().item()
             print(f"max |triton - flex| of the output: {diff:.2e}")
         if args.sweep:
-            sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters)
+            sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters, args.sweep_kernels.split(","))
     print()
     for name, window, ms, flex_ms in summary:
         if flex_ms:
@@ -206,8 +208,9 @@ def main() -> None:
             print(f"{name} window {window}: triton {flex_ms / ms:.2f}x flex {met}".rstrip())
 
 
-def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters) -> None:
-    """Time each kernel's tile options in turn, the others at their defaults."""
+def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters, kinds: list[str]) -> None:
+    """Time each kernel's tile options in turn, the others at their defaults: the forward's alone,
+    the backward kernels' as forward + backward. The default's row comes first."""
     from nanogpt_pl.ops.triton import attention as A
 
     wide = max(d_qk, d_v) > 64
@@ -216,17 +219,31 @@ def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters) -> None:
         "dkdv": [(64, 128), (32, 128), (64, 64), (128, 128), (32, 64)],
         "dq": [(128, 64), (128, 32), (64, 64), (128, 128)],
     }
-    print(f"tile sweep (d_qk {d_qk}, d_v {d_v}): kernel block_m block_n warps stages -> ms of fwd+bwd")
-    for kind, tiles in options.items():
+    unknown = set(kinds) - set(options)
+    if unknown:
+        raise SystemExit(f"--sweep-kernels: unknown {sorted(unknown)}; choose from {sorted(options)}")
+    print(f"tile sweep (d_qk {d_qk}, d_v {d_v}): kernel block_m block_n warps stages -> ms "
+          f"(fwd: forward alone; dkdv, dq: forward + backward)")
+    for kind in kinds:
         default = A.TILES[(kind, wide)]
-        for (bm, bn), warps, stages in itertools.product(tiles, (4, 8), (2, 3)):
+        reference = None  # the default tile's forward output
+        configs = [default] + [(bm, bn, w, st) for (bm, bn), w, st in itertools.product(options[kind], (4, 8), (2, 3))
+                               if (bm, bn, w, st) != default]
+        for bm, bn, warps, stages in configs:
             A.TILES[(kind, wide)] = (bm, bn, warps, stages)
             try:
                 def step():
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            return A.triton_packed_attention(q, k, v, cu, max_seqlen, window, SCALE)
                     out = A.triton_packed_attention(q, k, v, cu, max_seqlen, window, SCALE)
                     out.backward(g)
-                ms = time_cuda(step, 2, max(5, iters // 2), [q, k, v]).median_ms
-                print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} {ms:8.3f}")
+                t = time_cuda(step, 2, max(5, iters // 2), () if kind == "fwd" else [q, k, v])
+                mark = " (default)" if (bm, bn, warps, stages) == default else ""
+                if kind == "fwd" and t.first is not None:  # the output against the default tile's
+                    reference = t.first if reference is None else reference
+                    mark += f"  max |out - default's| {(t.first - reference).abs().max().item():.1e}"
+                print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} {t.median_ms:8.3f}{mark}")
             except Exception as e:  # a tile too large for shared memory fails to launch
                 print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} failed: {type(e).__name__}")
         A.TILES[(kind, wide)] = default
