@@ -69,28 +69,32 @@ def _ngram_grad_kernel(grad_ptr, signs_ptr, sign_rows_ptr, order_ptr, rows_ptr, 
         rows = tl.load(rows_ptr + i, mask=live, other=-1)
         before = tl.load(rows_ptr + i - 1, mask=live & (i > 0), other=-1)
         starts = live & (rows != before)  # a run's first entry, in the whole sorted list
-        v = _signed_rows(grad_ptr, signs_ptr, sign_rows_ptr, order_ptr, i, live, c, cols, T,
-                                  stride_grad, stride_signs)
+        v = _signed_rows(grad_ptr, signs_ptr, sign_rows_ptr, order_ptr, i, live, c, cols, T, stride_grad, stride_signs)
         same = (rows[:, None] == rows[None, :]) & starts[:, None]
         if FP32_DOT:
             sums = tl.dot(same.to(tl.float32), v, input_precision="ieee")
         else:  # ±1 times a bf16 value is that value or its negation: exact in bf16
             g_dtype = grad_ptr.dtype.element_ty
             sums = tl.dot(same.to(g_dtype), v.to(g_dtype))
-        # the chunk's last run, if it starts here, may go on into the next chunks: read on
+        # the chunk's last run, if it starts here, may go on into the next chunks: read on to its
+        # end, the first sorted entry past its row (a binary search; a while loop over the rows
+        # fails triton 3.6's layout pass)
         last = tl.load(rows_ptr + tl.minimum(first + CHUNK, n) - 1)
         owns_last = tl.max((starts & (rows == last)).to(tl.int32), axis=0) > 0
-        nxt = first + CHUNK
-        more = owns_last & (tl.load(rows_ptr + nxt, mask=nxt < n, other=-1) == last)
+        end = first + CHUNK
+        bound = tl.where(owns_last, n, end)
+        for _ in range(search_steps):
+            mid = (end + bound) // 2
+            step = end < bound
+            within = step & (tl.load(rows_ptr + mid, mask=step, other=0) <= last)
+            end = tl.where(within, mid + 1, end)
+            bound = tl.where(step & ~within, mid, bound)
         tail = tl.zeros([BLOCK_D], tl.float32)
-        while more:
-            j = nxt + tl.arange(0, CHUNK)
-            in_run = (j < n) & (tl.load(rows_ptr + j, mask=j < n, other=-1) == last)
-            w = _signed_rows(grad_ptr, signs_ptr, sign_rows_ptr, order_ptr, j, in_run, c, cols, T,
-                                stride_grad, stride_signs)
+        for j0 in range(first + CHUNK, end, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            w = _signed_rows(grad_ptr, signs_ptr, sign_rows_ptr, order_ptr, j, j < end, c, cols, T,
+                             stride_grad, stride_signs)
             tail += tl.sum(w, axis=0)
-            nxt += CHUNK
-            more = tl.load(rows_ptr + nxt, mask=nxt < n, other=-1) == last
         sums += tl.where((starts & (rows == last))[:, None], tail[None, :], 0.0)
         dst = out_ptr + rows.to(tl.int64)[:, None] * stride_out + c[None, :]
         tl.store(dst, sums, mask=starts[:, None] & cols[None, :])
