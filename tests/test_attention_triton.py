@@ -100,6 +100,21 @@ def test_kernel_suite_under_interpreter():
     run_module_under_interpreter(__file__)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs its own small tiles")
+def test_a_key_tile_that_does_not_divide_the_query_tile_is_refused(monkeypatch):
+    """The forward and dQ kernels start key tiles at query-tile starts: a 64 x 128 forward tile gave
+    outputs 2.3 off the 64 x 64 tile's on an H100 (BENCHMARKS.md, session 7), so it is refused."""
+    from nanogpt_pl.ops.triton import attention as A
+
+    assert A._tiles("fwd", 128, 128) == A.TILES[("fwd", True)]
+    for kind in ("fwd", "dq"):
+        monkeypatch.setitem(A.TILES, (kind, True), (64, 128, 4, 2))
+        with pytest.raises(ValueError, match=rf"TILES\[\('{kind}', True\)\] = \(64, 128, 4, 2\): block_m must be"):
+            A._tiles(kind, 64, 128)
+    monkeypatch.setitem(A.TILES, ("dkdv", True), (32, 128, 4, 2))  # dK/dV steps over queries from any tile
+    assert A._tiles("dkdv", 128, 128) == (32, 128, 4, 2)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter makes triton usable on CPU")
 def test_triton_backend_on_cpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"^model\.backends\.attention='triton' needs a CUDA GPU"):

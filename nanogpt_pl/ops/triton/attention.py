@@ -70,7 +70,14 @@ _INTERP_TILES = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1
 def _tiles(kind: str, d_qk: int, d_v: int) -> tuple[int, int, int, int]:
     if INTERPRET:
         return _INTERP_TILES[kind]
-    return TILES[(kind, max(d_qk, d_v) > 64)]
+    wide = max(d_qk, d_v) > 64
+    tile = TILES[(kind, wide)]
+    # the forward and dQ kernels step over keys from query-tile starts in key tiles: a key tile
+    # that does not divide the query tile would overrun the diagonal and count keys twice
+    if kind in ("fwd", "dq") and tile[0] % tile[1]:
+        raise ValueError(f"attention TILES[({kind!r}, {wide})] = {tile}: block_m must be a multiple of block_n "
+                         f"for the {kind} kernel (e.g. (64, 64) or (128, 32))")
+    return tile
 
 
 # ---------------------------------------------------------------- forward
