@@ -9,8 +9,8 @@ one place::
                  ngram_rows: auto, value_rows: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
-has not yet been timed against its reference on a GPU (``anvil``, ``adam``, ``ngram``,
-``ngram_rows``, ``value_rows``): there ``auto`` is the reference and the fast path is chosen by name. The values are
+has not been shown faster than its reference in the step on a GPU (``anvil``, ``adam``,
+``ngram_rows``): there ``auto`` is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
 former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device cannot run.
@@ -23,8 +23,8 @@ from typing import Union
 
 import torch
 
-# The choices of a part whose Triton path is taken only when named (``anvil``, ``adam``, ``ngram``, ``ngram_rows``,
-# ``value_rows``)
+# The choices of a part with one Triton path: ``anvil``, ``adam`` and ``ngram_rows`` take it only when
+# named (:func:`resolve_opt_in`), ``ngram`` and ``value_rows`` also for ``auto`` on a GPU (:func:`resolve_fast_on_gpu`)
 OPT_IN_CHOICES = ("auto", "reference", "triton")
 
 
@@ -52,6 +52,19 @@ def resolve_opt_in(part: str, backend: str, device: Union[torch.device, str], ho
     return "triton"
 
 
+def resolve_fast_on_gpu(part: str, backend: str, device: Union[torch.device, str], holder: str) -> str:
+    """``reference`` or ``triton`` for ``model.backends.<part>``, a part whose Triton path was timed
+    faster in the step: ``auto`` is ``triton`` on a CUDA device with Triton installed and the
+    reference elsewhere (the interpreter included); ``triton`` and ``reference`` as in
+    :func:`resolve_opt_in`."""
+    from .ops.triton import triton_usable
+
+    check_opt_in(part, backend)
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_usable(device) else "reference"
+    return resolve_opt_in(part, backend, device, holder)
+
+
 @dataclass
 class Backends:
     """Implementation choices; YAML keys under ``model.backends``.
@@ -71,14 +84,15 @@ class Backends:
         adam: the dense Adam groups' update (moments, decay and step; ``nanogpt_pl.optim.adam``):
             ``auto``, ``reference`` or ``triton`` (one pass a parameter).
         ngram: the n-gram channel's hashes of a micro-batch's tokens (bigram and trigram rows and
-            their sign rows; ``nanogpt_pl.model.embeddings.ngram_hashes``): ``auto``, ``reference``
-            or ``triton`` (one pass).
+            their sign rows; ``nanogpt_pl.model.embeddings.ngram_hashes``): ``auto`` (``triton`` on
+            CUDA), ``reference`` or ``triton`` (one pass).
         ngram_rows: the gradient of the n-gram channel's compact leaf
             (``nanogpt_pl.model.embeddings.HashedNgramEmbedding``): ``auto``, ``reference`` (a zero
             fill and autograd's atomic scatter) or ``triton`` (sorted by row, every row stored once).
         value_rows: the gradient of the value-embedding planes' gather from a micro-batch's compact
-            leaf (``nanogpt_pl.model.embeddings.gather_planes``): ``auto``, ``reference`` (autograd's
-            atomic scatter) or ``triton`` (sorted by row, one atomic a run of equal rows).
+            leaf (``nanogpt_pl.model.embeddings.gather_planes``): ``auto`` (``triton`` on CUDA),
+            ``reference`` (autograd's atomic scatter) or ``triton`` (sorted by row, one atomic a run
+            of equal rows).
     """
 
     attention: str = "auto"

@@ -190,7 +190,7 @@ def test_ngram_rows_backend_choice_and_errors():
 
     from nanogpt_pl.model.gpt import GPT
 
-    assert resolve_ngram_rows_backend("auto", "cpu") == "reference"
+    assert resolve_ngram_rows_backend("auto", "cpu") == resolve_ngram_rows_backend("auto", "cuda") == "reference"
     assert resolve_ngram_rows_backend("reference", "cpu") == "reference"
     with pytest.raises(RuntimeError, match=r"model\.backends\.ngram_rows='triton' needs a CUDA device"):
         resolve_ngram_rows_backend("triton", "cpu")

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backends import check_opt_in, resolve_opt_in
+from ..backends import check_opt_in, resolve_fast_on_gpu, resolve_opt_in
 
 # RECORD §3 "Row hashes": multipliers of the bigram and trigram row hashes.
 BIGRAM_MUL_CUR, BIGRAM_MUL_PREV = 36313, 27191
@@ -154,8 +154,9 @@ def ngram_sign_rows(input_ids: Tensor) -> Tensor:
 
 def resolve_hash_backend(backend: str, device: torch.device | str) -> str:
     """``reference`` or ``triton`` for the n-gram hashes (``model.backends.ngram``); raises for an
-    impossible choice. ``auto`` picks PyTorch until the Triton pass is timed against it on a GPU."""
-    return resolve_opt_in("ngram", backend, device, "the n-gram table is")
+    impossible choice. ``auto`` is the Triton pass on a GPU (1.004x and 1.005x a stage-0 and a
+    stage-1 step on an H100, BENCHMARKS.md) and PyTorch elsewhere."""
+    return resolve_fast_on_gpu("ngram", backend, device, "the n-gram table is")
 
 
 def ngram_hashes(input_ids: Tensor, ngram_rows: int, backend: str = "reference") -> tuple[Tensor, Tensor]:
@@ -274,8 +275,9 @@ def compact_value_rows(tables: list[Tensor], input_ids: Tensor, pad_to: Optional
 
 def resolve_value_rows_backend(backend: str, device: torch.device | str) -> str:
     """``reference`` or ``triton`` for the value planes' gather gradient (``model.backends.value_rows``);
-    raises for an unknown choice or a ``triton`` the device cannot run."""
-    return resolve_opt_in("value_rows", backend, device, "the value rows are")
+    raises for an unknown choice or a ``triton`` the device cannot run. ``auto`` is the sorted sums
+    on a GPU (1.004-1.009x a stage-2 step and 1.008x a stage-1 step on an H100, BENCHMARKS.md)."""
+    return resolve_fast_on_gpu("value_rows", backend, device, "the value rows are")
 
 
 class _GatherPlanes(torch.autograd.Function):
