@@ -8,7 +8,7 @@ per real row, the padding skipped, so it must equal ``index_add_`` bit for bit.
 
 The n-gram hashes (``nanogpt_pl.ops.triton.ngram_hash``): the four hashes of a micro-batch in
 one pass, equal to the PyTorch functions and to RECORD §3's formulas in plain Python; chosen
-by ``model.backends.ngram: triton`` (``auto`` keeps PyTorch until the pass is timed on a GPU).
+by ``model.backends.ngram: triton`` (and by ``auto`` on a GPU).
 
 The lazy row-Adam event kernel (``nanogpt_pl.ops.triton.row_adam``) against the PyTorch update.
 
