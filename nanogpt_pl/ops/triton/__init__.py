@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["interpret_mode", "triton_usable"]
+__all__ = ["interpret_mode", "lastdim_contiguous", "triton_usable"]
 
 
 def interpret_mode() -> bool:
@@ -34,3 +34,8 @@ def triton_usable(device: Union[torch.device, str]) -> bool:
     except ImportError:
         return False
     return True
+
+
+def lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if its last dimension is contiguous (what the kernels' row pointers assume), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpret_mode
+from . import interpret_mode, lastdim_contiguous
 
 Tensor = torch.Tensor
 
@@ -305,10 +305,6 @@ def visible_ranges(cu_seqlens: Tensor, n: int, window: int) -> tuple[Tensor, Ten
     return row_lo.to(torch.int32), col_hi.to(torch.int32)
 
 
-def _lastdim_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.shape[0] == 0:
         raise ValueError("triton attention: empty micro-batch (N = 0)")
@@ -331,7 +327,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, row_lo: Tensor, col_hi: Tensor, scale: float
                    ) -> tuple[Tensor, Tensor]:
     """(out [N, H, Dv], log2-sum-exp [H, N] float32). ``col_hi`` is only kept for the backward."""
-    q, k, v = (_lastdim_contiguous(x) for x in (q, k, v))
+    q, k, v = (lastdim_contiguous(x) for x in (q, k, v))
     n, h, d_qk = q.shape
     d_v = v.shape[-1]
     o = torch.empty(n, h, d_v, device=q.device, dtype=q.dtype)
@@ -355,7 +351,7 @@ def _(q, k, v, row_lo, col_hi, scale):
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, row_lo: Tensor,
                    col_hi: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of :func:`_attention_fwd`'s output."""
-    q, k, v, do = (_lastdim_contiguous(x) for x in (q, k, v, do))
+    q, k, v, do = (lastdim_contiguous(x) for x in (q, k, v, do))
     n, h, d_qk = q.shape
     d_v = v.shape[-1]
     delta = torch.empty(h, n, device=q.device, dtype=torch.float32)

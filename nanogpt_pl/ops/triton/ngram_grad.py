@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpret_mode
+from ...distributed.row_exchange import sort_values
+from . import interpret_mode, lastdim_contiguous
 
 CHUNK = 64  # sorted entries a sum program sums (the matrix product's inner size)
 BLOCK_D = 128  # columns a sum program sums
@@ -133,10 +134,8 @@ def ngram_grad_into(out: Tensor, grad: Tensor, index: Tensor, sign_rows: Tensor,
         raise ValueError(f"ngram_grad: out {tuple(out.shape)} {out.dtype}; give a [rows, {d}] fp32 row-major tensor")
     if n == 0 or rows == 0:
         return out.zero_()
-    keys = index.reshape(-1).to(torch.int32) if rows < 2**31 else index.reshape(-1)
-    sorted_rows, order = torch.sort(keys)
-    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    signs = signs if signs.stride(-1) == 1 else signs.contiguous()
+    sorted_rows, order = sort_values(index.reshape(-1), rows - 1)
+    grad, signs = lastdim_contiguous(grad), lastdim_contiguous(signs)
     block_d = min(BLOCK_D, max(16, triton.next_power_of_2(d)))
     n_sum = triton.cdiv(n, CHUNK) * triton.cdiv(d, block_d)
     grid = (n_sum + triton.cdiv(rows, ZERO_ROWS),)

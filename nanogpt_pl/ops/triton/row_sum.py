@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpret_mode
+from ...distributed.row_exchange import sort_values
+from . import interpret_mode, lastdim_contiguous
 
 CHUNK = 64  # sorted positions a program sums (the matrix product's inner size)
 BLOCK_D = 128  # columns a program sums (benchmarks/value_rows.py --tiles times other sizes)
@@ -58,10 +59,6 @@ def _sorted_row_sum_kernel(grad_ptr, order_ptr, rows_ptr, out_ptr, n, D, stride_
     tl.atomic_add(dst, sums, mask=starts[:, None] & cols[None, :], sem="relaxed")
 
 
-def _lastdim_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 @torch.library.custom_op("nanogpt_pl::sorted_row_sum", mutates_args=())
 def sorted_row_sum(grads: list[Optional[Tensor]], index: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
     """``out[p, r] = Σ_{t: index[t] = r} grads[p][t]``: ``[P, rows, D]`` in ``dtype`` (fp32 sums).
@@ -76,15 +73,14 @@ def sorted_row_sum(grads: list[Optional[Tensor]], index: Tensor, rows: int, dtyp
                          f"{[None if g is None else tuple(g.shape) for g in grads]}; give one [T, D] per plane")
     out = torch.zeros(len(grads), rows, d, device=like.device, dtype=torch.float32)
     if n:
-        keys = index.reshape(-1).to(torch.int32) if rows < 2**31 else index.reshape(-1)
-        sorted_rows, order = torch.sort(keys)
+        sorted_rows, order = sort_values(index.reshape(-1), rows - 1)
         chunk, block_d = CHUNK, min(BLOCK_D, max(16, triton.next_power_of_2(d)))
         grid = (triton.cdiv(n, chunk), triton.cdiv(d, block_d))
         fp32_dot = interpret_mode()  # the interpreter's tl.dot mishandles bf16 operands
         for p, g in enumerate(grads):
             if g is None:
                 continue
-            g = _lastdim_contiguous(g)
+            g = lastdim_contiguous(g)
             _sorted_row_sum_kernel[grid](g, order, sorted_rows, out[p], n, d, g.stride(0), out.stride(1),
                                          CHUNK=chunk, BLOCK_D=block_d, FP32_DOT=fp32_dot or g.dtype == torch.float32,
                                          num_warps=4)
