@@ -53,3 +53,11 @@ def time_cuda(step: Callable[[], Any], warmup: int, iters: int, params: Sequence
     clear()
     times.sort()
     return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak, first)
+
+
+def copy_bandwidth(like: torch.Tensor, iters: int) -> float:
+    """Bytes a second, read + written, of a device copy of a tensor shaped and typed like ``like``
+    (median of ``iters``): the bandwidth the memory-bound benchmarks state their floors in."""
+    src, dst = torch.empty_like(like), torch.empty_like(like)
+    copy_ms = time_cuda(lambda: dst.copy_(src), 5, iters).median_ms
+    return 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
 
 from nanogpt_pl.model.mudd import FINAL_MIX_SOURCES, Mudd  # noqa: E402
 
@@ -101,11 +101,8 @@ def main() -> None:
         results[name] = run_once(fn, mudd, x, sources, grad)
         times[name] = time_cuda(lambda fn=fn: fn(mudd, x, sources).backward(grad), 5, args.iters, params).median_ms
 
-    src = torch.empty_like(x)
-    dst = torch.empty_like(x)
-    copy_ms = time_cuda(lambda: dst.copy_(src), 5, args.iters).median_ms
     stream_bytes = x.numel() * x.element_size()
-    bandwidth = 2 * stream_bytes / (copy_ms * 1e-3)  # bytes a second, read + write
+    bandwidth = copy_bandwidth(x, args.iters)
     k = len(sources)
     # forward: read x and the K sources, write the output; backward: read the output gradient and
     # the K sources, write the K source gradients and x's

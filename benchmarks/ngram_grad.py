@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
 
 from nanogpt_pl.distributed.row_exchange import unique_fixed  # noqa: E402
 from nanogpt_pl.model.embeddings import HashedNgramEmbedding, NgramInput, ngram_row_ids, ngram_sign_rows  # noqa: E402
@@ -75,11 +75,8 @@ def main() -> None:
         results[backend] = leaf.grad.clone()
         times[backend] = time_cuda(step, 5, args.iters, [leaf]).median_ms
 
-    src = torch.empty(args.tokens, DIM, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = time_cuda(lambda: dst.copy_(src), 5, args.iters).median_ms
-    bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)  # bytes a second, read + write
-    floor_bytes = 2 * 2 * src.numel() * src.element_size() + 2 * leaf.numel() * 4  # out + its grad; leaf + its grad
+    bandwidth = copy_bandwidth(grad, args.iters)
+    floor_bytes = 2 * 2 * grad.numel() * grad.element_size() + 2 * leaf.numel() * 4  # out + its grad; leaf + its grad
     floor_ms = floor_bytes / bandwidth * 1e3
     ref = results["reference"]
     diff = float((results["triton"] - ref).abs().max() / ref.abs().max())

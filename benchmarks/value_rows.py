@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
 
 import nanogpt_pl.ops.triton.row_sum as row_sum  # noqa: E402
 from nanogpt_pl.distributed.sparse_channels import reserved_value_rows  # noqa: E402
@@ -96,10 +96,7 @@ def main() -> None:
         results[name] = leaf.grad.clone()
         times[name] = time_cuda(step, 5, args.iters, [leaf]).median_ms
 
-    src = torch.empty(args.tokens, DIM, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = time_cuda(lambda: dst.copy_(src), 5, args.iters).median_ms
-    bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)  # bytes a second, read + write
+    bandwidth = copy_bandwidth(grads[0], args.iters)
     plane_bytes = PLANES * args.tokens * DIM * 2
     floor_bytes = 2 * plane_bytes + 2 * leaf.numel() * 4  # planes written + gradients read; leaf read + grad written
     floor_ms = floor_bytes / bandwidth * 1e3
