@@ -151,36 +151,17 @@ def test_ngram_embedding_triton_matches_reference(compiled):
 
 @interp
 def test_record_network_with_triton_ngram_rows_matches_reference():
-    from test_record_network import SMALL, ngram_input, open_attention_outputs, speedrun_gpt
-
-    from nanogpt_pl.model.gpt import GPT
+    from test_record_network import backend_against_reference, ngram_input
 
     seed = fresh_seed()
-    torch.manual_seed(seed)
-    cfg = speedrun_gpt(**SMALL)
-    ref_model = GPT(cfg, Backends())
-    open_attention_outputs(ref_model)
-    model = GPT(cfg, Backends(ngram_rows="triton"))
-    model.load_state_dict(ref_model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (96,), generator=gen)
-    cu = torch.tensor([0, 40, 96, 96], dtype=torch.int32)
-    w = torch.randn(cfg.model_dim, generator=gen)
-    results = []
-    for m in (model, ref_model):
-        ng = ngram_input(ids, cfg.ngram_rows, cfg.model_dim)
-        out = m(ids, cu, 56, (8, 24), ngram=ng)
-        (out.float() @ w).sum().backward()
-        results.append((out.detach(), ng, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (out, ng, grads), (ref_out, ref_ng, ref_grads) = results
-    assert torch.equal(out, ref_out)
+    cfg, ids, fast, ref = backend_against_reference(
+        seed, Backends(ngram_rows="triton"), lambda gen, cfg: torch.randint(0, cfg.vocab_size, (96,), generator=gen),
+        lambda model, ids, cfg: {"ngram": ngram_input(ids, cfg.ngram_rows, cfg.model_dim)})
+    ng, ref_ng = fast["ngram"], ref["ngram"]
     torch.testing.assert_close(ng.values.grad, ref_ng.values.grad, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
     read = torch.zeros(cfg.ngram_rows, dtype=torch.bool)
     read[ng.index.reshape(-1)] = True
     assert ng.values.grad[read].abs().sum(-1).gt(0).all() and not ng.values.grad[~read].any()
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert torch.equal(grads[name], ref_grads[name]), name
 
 
 # -- choosing the path --------------------------------------------------------------------------

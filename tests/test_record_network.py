@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import yaml
 from seeds import fresh_seed
 
+from nanogpt_pl.backends import Backends
 from nanogpt_pl.model.attention import (
     QK_NORM_EPS,
     AttentionSpec,
@@ -79,6 +80,39 @@ def open_attention_outputs(model: GPT) -> None:
 
 def speedrun_gpt(**kw) -> GPTConfig:
     return GPTConfig(**{**SPEEDRUN["model"]["gpt"], **kw})
+
+
+def backend_against_reference(seed: int, backends: Backends, draw_ids, inputs
+                              ) -> tuple[GPTConfig, torch.Tensor, dict, dict]:
+    """The small record network with ``backends`` and with every reference path, the same weights and
+    batch: asserts the outputs and every parameter gradient equal bit for bit, and returns ``(cfg,
+    ids, fast inputs, reference inputs)`` for the caller's checks of its leaves' gradients.
+
+    ``draw_ids(gen, cfg)`` draws the 96 token ids; ``inputs(model, ids, cfg)`` builds one run's
+    forward keyword arguments (``ngram=``, ``value_rows=``), fresh leaves for each run.
+    """
+    torch.manual_seed(seed)
+    cfg = speedrun_gpt(**SMALL)
+    ref_model = GPT(cfg, Backends())
+    open_attention_outputs(ref_model)
+    model = GPT(cfg, backends)
+    model.load_state_dict(ref_model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    ids = draw_ids(gen, cfg)
+    cu = torch.tensor([0, 40, 96, 96], dtype=torch.int32)
+    w = torch.randn(cfg.model_dim, generator=gen)
+    results = []
+    for m in (model, ref_model):
+        kwargs = inputs(m, ids, cfg)
+        out = m(ids, cu, 56, (8, 24), **kwargs)
+        (out.float() @ w).sum().backward()
+        results.append((out.detach(), kwargs, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (out, kwargs, grads), (ref_out, ref_kwargs, ref_grads) = results
+    assert torch.equal(out, ref_out)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    return cfg, ids, kwargs, ref_kwargs
 
 
 @pytest.fixture(scope="module")

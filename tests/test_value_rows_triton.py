@@ -129,37 +129,22 @@ def test_gather_planes_triton_matches_reference(compiled):
 
 @interp
 def test_record_network_with_triton_value_rows_matches_reference():
-    from test_record_network import SMALL, ngram_input, open_attention_outputs, speedrun_gpt
+    from test_record_network import backend_against_reference, ngram_input
 
     from nanogpt_pl.distributed.value_embed_shard import ValueEmbedShard
-    from nanogpt_pl.model.gpt import GPT
+
+    def inputs(model, ids, cfg):
+        return {"ngram": ngram_input(ids, cfg.ngram_rows, cfg.model_dim),
+                "value_rows": ValueEmbedShard(list(model.value_embeds)).prepare(ids, pad_to=cfg.vocab_size)}
 
     seed = fresh_seed()
-    torch.manual_seed(seed)
-    cfg = speedrun_gpt(**SMALL)
-    ref_model = GPT(cfg, Backends())
-    open_attention_outputs(ref_model)
-    model = GPT(cfg, Backends(value_rows="triton"))
-    model.load_state_dict(ref_model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    ids = zipf_index(96, cfg.vocab_size, gen)
-    cu = torch.tensor([0, 40, 96, 96], dtype=torch.int32)
-    w = torch.randn(cfg.model_dim, generator=gen)
-    results = []
-    for m in (model, ref_model):
-        ve = ValueEmbedShard(list(m.value_embeds)).prepare(ids, pad_to=cfg.vocab_size)
-        out = m(ids, cu, 56, (8, 24), ngram=ngram_input(ids, cfg.ngram_rows, cfg.model_dim), value_rows=ve)
-        (out.float() @ w).sum().backward()
-        results.append((out.detach(), ve, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (out, ve, grads), (ref_out, ref_ve, ref_grads) = results
-    assert torch.equal(out, ref_out)
+    cfg, ids, fast, ref = backend_against_reference(
+        seed, Backends(value_rows="triton"), lambda gen, cfg: zipf_index(96, cfg.vocab_size, gen), inputs)
+    ve, ref_ve = fast["value_rows"], ref["value_rows"]
     torch.testing.assert_close(ve.values.grad, ref_ve.values.grad, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
     used = torch.unique(ids).numel()
     assert ve.values.grad[:, :used].abs().sum(-1).gt(0).all()  # every plane reaches every read row
     assert not ve.values.grad[:, used:].any()
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert torch.equal(grads[name], ref_grads[name]), name
 
 
 # -- choosing the path --------------------------------------------------------------------------
