@@ -59,6 +59,9 @@ and ``data/transfer``; ``step/sparse_pull`` with ``graphs/pull_replay`` where th
 captured; ``step/micro_batch`` with ``graphs/copy_in`` and ``graphs/replay``; ``step/sparse_push``,
 ``step/optimizer``, ``step/run_ahead_wait``), the loader thread's ``data/produce``, and per
 blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU idle time it holds.
+``DIR/<loop>-launchers.tsv`` traces every GPU event back to the host operation that launched it (and
+the operation around that, and the step's phase), with the memsets and small kernels on stderr: run
+it with ``--set model.cuda_graphs=false``, since a replayed graph launches all its kernels at once.
 
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 0 --steps 20
     python benchmarks/step_time.py --config configs/speedrun_1gpu.yaml --stage 2 --set model.gpt.ngram_rows=0
@@ -472,6 +475,101 @@ def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path:
     path.write_text("\n".join(lines) + "\n")
 
 
+# Chrome-trace categories: the host calls that launch GPU work, and the GPU work itself.
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
+SMALL_KERNEL_US = 8.0  # "small": a launch gap (about a microsecond inside a graph) is a large share of it
+
+
+def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
+    """Every GPU kernel, memset and copy of a Chrome trace (``export_chrome_trace``) with the host
+    operation that launched it: ``(GPU event, duration us, launching op, the op around it, phase)``.
+
+    The runtime call that launched a GPU event carries the same correlation id; the launching op is
+    the innermost ``cpu_op`` on that call's thread whose span holds it, and the phase the innermost
+    step range (``step/``, ``graphs/``, ``data/``). Run with the graphs off (``--set
+    model.cuda_graphs=false``): a replayed graph's kernels all come from one ``cudaGraphLaunch``.
+    A GPU event whose launch is not in the trace gets ``?``.
+    """
+    calls: dict[Any, tuple[Any, float]] = {}
+    spans: dict[Any, list[tuple[float, float, str, bool]]] = {}
+    gpu = []
+    for e in trace.get("traceEvents", []):
+        cat = e.get("cat", "")
+        if cat in _LAUNCH_CATS:
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                calls[corr] = (e["tid"], float(e["ts"]))
+        elif cat == "cpu_op" or (cat == "user_annotation" and e["name"].startswith(PHASE_PREFIXES)):
+            start = float(e["ts"])
+            spans.setdefault(e["tid"], []).append((start, start + float(e.get("dur", 0.0)), e["name"], cat == "cpu_op"))
+        elif cat in _GPU_CATS:
+            gpu.append(e)
+    # the enclosing spans of each launch: one sweep per thread over the spans (they nest) and the launches
+    queries: dict[Any, list[tuple[float, Any]]] = {}
+    for corr, (tid, ts) in calls.items():
+        queries.setdefault(tid, []).append((ts, corr))
+    chains: dict[Any, tuple[str, str, str]] = {}
+    for tid, asked in queries.items():
+        todo = sorted(spans.get(tid, []), key=lambda s: (s[0], -s[1]))
+        stack: list[tuple[float, float, str, bool]] = []
+        i = 0
+        for ts, corr in sorted(asked, key=lambda q: q[0]):
+            while i < len(todo) and todo[i][0] <= ts:
+                while stack and stack[-1][1] < todo[i][0]:
+                    stack.pop()
+                stack.append(todo[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            ops = [name for a, b, name, is_op in stack if is_op and b >= ts]
+            phases = [name for a, b, name, is_op in stack if not is_op and b >= ts]
+            chains[corr] = (ops[-1] if ops else "?", ops[-2] if len(ops) > 1 else "", phases[-1] if phases else "?")
+    out = []
+    for e in gpu:
+        op, around, phase = chains.get(e.get("args", {}).get("correlation"), ("?", "", "?"))
+        out.append((e["name"], float(e.get("dur", 0.0)), op, around, phase))
+    return out
+
+
+def launch_table(launches: list[tuple[str, float, str, str, str]], steps: int
+                 ) -> list[tuple[str, float, float, str, str, str, str]]:
+    """:func:`trace_launches` grouped by (launching op, the op around it, phase, GPU event), most
+    launches first: ``(what, launches per step, us per step, op, around, phase, GPU event)`` with
+    ``what`` one of memset, copy, small kernel (under :data:`SMALL_KERNEL_US`) or kernel."""
+    groups: dict[tuple[str, str, str, str], tuple[int, float]] = {}
+    for name, dur, op, around, phase in launches:
+        n, total = groups.get((op, around, phase, name), (0, 0.0))
+        groups[(op, around, phase, name)] = (n + 1, total + dur)
+    rows = []
+    for (op, around, phase, name), (n, total) in groups.items():
+        if name.startswith("Memset") or name.startswith("memset"):
+            what = "memset"
+        elif name.startswith("Memcpy") or name.startswith("memcpy"):
+            what = "copy"
+        else:
+            what = "small kernel" if total / n < SMALL_KERNEL_US else "kernel"
+        rows.append((what, n / steps, total / steps, op, around, phase, name))
+    return sorted(rows, key=lambda r: (-r[1], -r[2]))
+
+
+def write_launch_table(trace_path: Path, steps: int, path: Path, tag: str, top: int = 12) -> None:
+    """The launch table of a saved trace as a tab-separated file, and its largest memset and
+    small-kernel rows on stderr."""
+    rows = launch_table(trace_launches(json.loads(trace_path.read_text())), steps)
+    lines = ["what\tlaunches_per_step\tus_per_step\tlaunching_op\taround\tphase\tgpu_event"]
+    lines += ["\t".join([what, f"{n:.2f}", f"{us:.1f}", op, around, phase, name])
+              for what, n, us, op, around, phase, name in rows]
+    path.write_text("\n".join(lines) + "\n")
+    for what in ("memset", "small kernel"):
+        picked = [r for r in rows if r[0] == what]
+        print(f"{tag}: {what}s per step: {sum(r[1] for r in picked):.0f} launches, "
+              f"{sum(r[2] for r in picked) / 1e3:.2f} ms; by launching op:", file=sys.stderr)
+        for _, n, us, op, around, phase, name in picked[:top]:
+            print(f"{tag}:   {n:7.1f} {us:8.1f} us  {op} <- {around or '-'} [{phase}] {name[:70]}", file=sys.stderr)
+    print(f"{tag}: every GPU event by launching op: {path}", file=sys.stderr)
+
+
 class _ReserveShapes(L.Callback):
     """What ``SpeedrunTimer`` does before its warmup (the timer is not in these runs): the step's
     input shapes sized from the run's batch plan (``reserve_run_shapes``)."""
@@ -564,6 +662,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             table = out / f"{tag}-kernels.tsv"
             write_kernel_table(events, steps, table)
             print(f"{tag}: every kernel, largest first: {table}", file=sys.stderr)
+            write_launch_table(trace, steps, out / f"{tag}-launchers.tsv", tag)
             print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"

@@ -127,6 +127,71 @@ def test_the_kernel_table_gives_every_kernel_per_step_largest_first(tmp_path):
     assert lines[3].split("\t")[4] == FILL  # the full name, however long
 
 
+def _launch_trace() -> dict:
+    """A Chrome trace as ``export_chrome_trace`` writes it: two host threads, nested ops, phases."""
+    def span(cat, name, tid, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    def launch(tid, ts, corr, name="cudaLaunchKernel"):
+        return {**span("cuda_runtime", name, tid, ts, 1), "args": {"correlation": corr}}
+
+    def gpu(cat, name, ts, dur, corr):
+        return {**span(cat, name, 7, ts, dur), "args": {"correlation": corr}}
+
+    events = [
+        span("user_annotation", "step/micro_batch", 1, 0, 100),
+        span("user_annotation", "unrelated range", 1, 0, 300),  # not a step phase: never named
+        span("cpu_op", "aten::zeros", 1, 10, 10), span("cpu_op", "aten::zero_", 1, 12, 6),
+        launch(1, 14, 1, "cudaMemsetAsync"),
+        span("cpu_op", "aten::mul", 1, 30, 10), launch(1, 35, 2), launch(1, 36, 3),
+        launch(1, 45, 6),  # inside the phase, outside every op
+        span("user_annotation", "step/optimizer", 1, 100, 100),
+        span("cpu_op", "aten::add_", 1, 110, 10), launch(1, 115, 4),
+        span("cpu_op", "aten::copy_", 2, 0, 50), launch(2, 5, 5, "cudaMemcpyAsync"),  # another thread, same times
+        gpu("gpu_memset", "Memset (Device)", 20, 1, 1), gpu("kernel", "k_small", 40, 3, 2),
+        gpu("kernel", "k_big", 50, 20, 3), gpu("kernel", "k_add", 120, 2, 4),
+        gpu("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 10, 4, 5), gpu("kernel", "k_orphan", 200, 5, 99),
+        gpu("kernel", "k_small", 60, 3, 6),
+    ]
+    return {"traceEvents": events}
+
+
+def test_each_gpu_event_is_traced_to_the_op_and_phase_that_launched_it():
+    mod = _step_time()
+    got = {(name, op, around, phase) for name, _, op, around, phase in mod.trace_launches(_launch_trace())}
+    assert got == {
+        ("Memset (Device)", "aten::zero_", "aten::zeros", "step/micro_batch"),
+        ("k_small", "aten::mul", "", "step/micro_batch"),
+        ("k_big", "aten::mul", "", "step/micro_batch"),
+        ("k_small", "?", "", "step/micro_batch"),
+        ("k_add", "aten::add_", "", "step/optimizer"),
+        ("Memcpy DtoD (Device -> Device)", "aten::copy_", "", "?"),
+        ("k_orphan", "?", "", "?"),
+    }
+
+
+def test_the_launch_table_groups_per_step_and_names_memsets_copies_and_small_kernels(tmp_path, capsys):
+    mod = _step_time()
+    trace = _launch_trace()
+    trace["traceEvents"] += [{**e, "args": {"correlation": 1}} for e in trace["traceEvents"]
+                             if e["name"] == "Memset (Device)"]  # the memset twice
+    rows = mod.launch_table(mod.trace_launches(trace), steps=2)
+    assert rows[0] == ("memset", 1.0, 1.0, "aten::zero_", "aten::zeros", "step/micro_batch", "Memset (Device)")
+    what = {(r[3], r[6]): r[0] for r in rows}
+    assert what[("aten::mul", "k_small")] == "small kernel" and what[("aten::mul", "k_big")] == "kernel"
+    assert what[("aten::copy_", "Memcpy DtoD (Device -> Device)")] == "copy"
+    assert {(r[3], r[6]): r[2] for r in rows}[("aten::mul", "k_big")] == 10.0  # us per step
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    mod.write_launch_table(path, 2, tmp_path / "plain-launchers.tsv", "plain")
+    lines = (tmp_path / "plain-launchers.tsv").read_text().splitlines()
+    assert lines[0].split("\t")[:4] == ["what", "launches_per_step", "us_per_step", "launching_op"]
+    assert len(lines) == 1 + len(rows)
+    err = capsys.readouterr().err
+    assert "plain: memsets per step: 1 launches" in err and "aten::zero_ <- aten::zeros [step/micro_batch]" in err
+    assert "plain: small kernels per step: 2 launches" in err
+
+
 def test_gpu_busy_time_is_the_union_of_the_intervals():
     # overlapping kernels count once, a gap counts nothing, an empty interval is skipped (microseconds in, seconds out)
     events = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 45.0, 45.0), ("e", 31.0, 33.0)]
