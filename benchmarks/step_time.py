@@ -489,7 +489,8 @@ def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
     the innermost ``cpu_op`` on that call's thread whose span holds it, and the phase the innermost
     step range (``step/``, ``graphs/``, ``data/``). Run with the graphs off (``--set
     model.cuda_graphs=false``): a replayed graph's kernels all come from one ``cudaGraphLaunch``.
-    A GPU event whose launch is not in the trace gets ``?``.
+    A GPU event whose launch is not in the trace gets ``?``, and so does the phase of work autograd's
+    own thread launches (the backward), which runs outside the step's ranges.
     """
     calls: dict[Any, tuple[Any, float]] = {}
     spans: dict[Any, list[tuple[float, float, str, bool]]] = {}
