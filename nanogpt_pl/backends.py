@@ -9,8 +9,8 @@ one place::
                  ngram_rows: auto, value_rows: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
-has not been shown faster than its reference in the step on a GPU (``anvil``, ``adam``,
-``ngram_rows``): there ``auto`` is the reference and the fast path is chosen by name. The values are
+has not been shown faster than its reference in the step on a GPU (``ngram_rows``): there ``auto``
+is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
 former names ``sdpa``, ``emulated`` and ``torch``) and rejects one the device cannot run.
@@ -23,8 +23,9 @@ from typing import Union
 
 import torch
 
-# The choices of a part with one Triton path: ``anvil``, ``adam`` and ``ngram_rows`` take it only when
-# named (:func:`resolve_opt_in`), ``ngram`` and ``value_rows`` also for ``auto`` on a GPU (:func:`resolve_fast_on_gpu`)
+# The choices of a part with one Triton path: ``ngram_rows`` takes it only when named
+# (:func:`resolve_opt_in`); ``anvil``, ``adam``, ``ngram`` and ``value_rows`` also for ``auto`` on a GPU
+# (:func:`resolve_fast_on_gpu`)
 OPT_IN_CHOICES = ("auto", "reference", "triton")
 
 
@@ -80,9 +81,10 @@ class Backends:
         polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
             ``triton``.
         anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay
-            and step; ``nanogpt_pl.optim.anvil``): ``auto``, ``reference`` or ``triton``.
+            and step; ``nanogpt_pl.optim.anvil``): ``auto`` (``triton`` on CUDA), ``reference`` or
+            ``triton`` (four kernels a bank).
         adam: the dense Adam groups' update (moments, decay and step; ``nanogpt_pl.optim.adam``):
-            ``auto``, ``reference`` or ``triton`` (one pass a parameter).
+            ``auto`` (``triton`` on CUDA), ``reference`` or ``triton`` (one pass a parameter).
         ngram: the n-gram channel's hashes of a micro-batch's tokens (bigram and trigram rows and
             their sign rows; ``nanogpt_pl.model.embeddings.ngram_hashes``): ``auto`` (``triton`` on
             CUDA), ``reference`` or ``triton`` (one pass).

@@ -84,7 +84,9 @@ class OptimConfig:
             launch instead of ~70 per bank; same arithmetic, bit for bit); False runs it eagerly.
         adam_cuda_graph: on a GPU, the dense Adam update of the replicated parameters replays from
             a CUDA graph per layout (RECORD §11's optimizer tail; each graph checked bit for bit
-            against the eager update when captured); False runs it eagerly.
+            against the eager update when captured); False runs it eagerly. It applies to the
+            PyTorch update (``model.backends.adam: reference``); the Triton update, ``auto`` on a
+            GPU, is one launch a parameter and runs without a graph.
         adam_lr: base lr of the Adam families (RECORD §8: 0.008).
         adam_eps: Adam's epsilon (RECORD §8: 1e-10).
         adam_weight_decay: decay per unit lr of the Adam families, times each family's wd_mul.

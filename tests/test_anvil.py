@@ -526,7 +526,7 @@ def test_gpu_paths_match_eager_torch_at_record_shapes(fast: dict) -> None:
     """Triton kernels (cascade, elementwise update) and torch.compile'd elementwise parts against the
     eager PyTorch path."""
     runs = []
-    for kwargs in (fast, dict(backend="reference", compile=False, cuda_graph=False)):
+    for kwargs in (fast, dict(backend="reference", update_backend="reference", compile=False, cuda_graph=False)):
         params = record_matrices("cuda")
         opt = Anvil(params, engage_step=2, **kwargs)
         start = _masters(opt)

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from ..backends import resolve_opt_in
+from ..backends import resolve_fast_on_gpu
 from ..capture import close_failed_capture
 from .adam import row_range
 from .polar import ANVIL_MAPS, polar_cascade, resolve_backend
@@ -168,8 +168,8 @@ def finish_update(
 
 def resolve_update_backend(backend: str, device: torch.device) -> str:
     """``reference`` or ``triton`` for the elementwise update (``model.backends.anvil``); raises for an
-    impossible choice. ``auto`` picks PyTorch until the kernels are timed against it on a GPU."""
-    return resolve_opt_in("anvil", backend, device, "the parameters are")
+    impossible choice. ``auto`` is the Triton kernels on a GPU (timed faster in the step, BENCHMARKS.md)."""
+    return resolve_fast_on_gpu("anvil", backend, device, "the parameters are")
 
 
 class _Fused:
