@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter
-from seeds import fresh_seed
+from seeds import draw_values, fresh_seed
 
 from nanogpt_pl.backends import Backends
 from nanogpt_pl.model.embeddings import (
@@ -35,12 +35,6 @@ from nanogpt_pl.model.embeddings import (
 @pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter run")
 def test_kernel_suite_under_interpreter():
     run_module_under_interpreter(__file__)
-
-
-def draw(gen: torch.Generator, shape, dtype: torch.dtype, integers: bool) -> torch.Tensor:
-    if integers:  # small integers: every partial sum exact in fp32, whatever the order
-        return torch.randint(-8, 9, shape, generator=gen).to(dtype)
-    return torch.randn(shape, generator=gen).to(dtype)
 
 
 def signs_of(gen: torch.Generator, rows: int, d: int) -> torch.Tensor:
@@ -61,7 +55,7 @@ def test_ngram_grad_matches_index_add(dtype, integers):
     index[1, 5: 5 + 2 * CHUNK + 9] = 7  # one row's run across three chunks
     index[0, :3] = 7  # ... read by bigram entries too
     index[:, -4:] = used - 1  # the last sorted row, read by the last entries
-    wide = draw(gen, (t, d + 16), dtype, integers)
+    wide = draw_values(gen, (t, d + 16), dtype, integers)
     grad = wide[:, 8: 8 + d]  # row stride d + 16
     sign_rows = torch.randint(0, 12, (2, t), generator=gen)
     signs = signs_of(gen, 12, d)

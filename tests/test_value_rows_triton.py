@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter
-from seeds import fresh_seed
+from seeds import draw_values, fresh_seed
 
 from nanogpt_pl.backends import Backends
 from nanogpt_pl.model.embeddings import gather_planes, resolve_value_rows_backend
@@ -38,12 +38,6 @@ def zipf_index(n: int, rows: int, gen: torch.Generator, device="cpu", exponent: 
     return torch.randperm(rows, generator=gen)[ranks].to(device)
 
 
-def draw(gen: torch.Generator, n: int, d: int, dtype: torch.dtype, integers: bool) -> torch.Tensor:
-    if integers:  # small integers: every partial sum exact in fp32, whatever the order
-        return torch.randint(-8, 9, (n, d), generator=gen).to(dtype)
-    return torch.randn(n, d, generator=gen).to(dtype)
-
-
 # -- sorted_row_sum against index_add_ ------------------------------------------------------
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -56,8 +50,8 @@ def test_sorted_row_sum_matches_index_add(dtype, integers):
     n, d, used, rows = 5 * CHUNK + 23, 80, 29, 40  # 6 chunks, width 80 (not a power of two), 11 padding rows
     index = zipf_index(n, used, gen)
     index[CHUNK - 10: 3 * CHUNK + 5] = 3  # one row's run across three chunks
-    grads = [draw(gen, n, d, dtype, integers), None, draw(gen, n, d, dtype, integers)]
-    wide = draw(gen, n, d + 16, dtype, integers)
+    grads = [draw_values(gen, (n, d), dtype, integers), None, draw_values(gen, (n, d), dtype, integers)]
+    wide = draw_values(gen, (n, d + 16), dtype, integers)
     grads.append(wide[:, 8: 8 + d])  # row stride d + 16
     got = sorted_row_sum(grads, index, rows, torch.float32)
     want = row_sum_reference(grads, index, rows, torch.float32)
