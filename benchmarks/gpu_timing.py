@@ -61,3 +61,16 @@ def copy_bandwidth(like: torch.Tensor, iters: int) -> float:
     src, dst = torch.empty_like(like), torch.empty_like(like)
     copy_ms = time_cuda(lambda: dst.copy_(src), 5, iters).median_ms
     return 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)
+
+
+def print_floor_table(times: dict[str, float], floor_bytes: float, bandwidth: float, iters: int) -> None:
+    """The memory-bound benchmarks' report: the device, the copy bandwidth and the floor (``floor_bytes``
+    at ``bandwidth``), then each row's median ms, its multiple of the floor and ``reference`` / row
+    (``times`` holds a ``reference`` row)."""
+    floor_ms = floor_bytes / bandwidth * 1e3
+    width = max(len(name) for name in times) + 2
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {iters}")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.3f} GB moved = {floor_ms:.3f} ms")
+    print(f"{'row':<{width}} {'ms':>8} {'x floor':>8} {'reference/row':>14}")
+    for name, ms in times.items():
+        print(f"{name:<{width}} {ms:8.3f} {ms / floor_ms:7.2f}x {times['reference'] / ms:13.2f}x")

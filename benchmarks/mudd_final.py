@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, print_floor_table, time_cuda  # noqa: E402
 
 from nanogpt_pl.model.mudd import FINAL_MIX_SOURCES, Mudd  # noqa: E402
 
@@ -107,14 +107,9 @@ def main() -> None:
     # forward: read x and the K sources, write the output; backward: read the output gradient and
     # the K sources, write the K source gradients and x's
     floor_bytes = stream_bytes * ((k + 2) + (k + 1 + k + 1))
-    floor_ms = floor_bytes / bandwidth * 1e3
 
     print(f"MUDD final mix, forward + backward, compiled: {args.tokens} tokens x {DIM}, {k} sources, bf16")
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {args.iters}")
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.2f} GB moved = {floor_ms:.3f} ms")
-    print(f"{'row':<10} {'ms':>8} {'x floor':>8} {'reference/row':>14}")
-    for name, ms in times.items():
-        print(f"{name:<10} {ms:8.3f} {ms / floor_ms:7.2f}x {times['reference'] / ms:13.2f}x")
+    print_floor_table(times, floor_bytes, bandwidth, args.iters)
     diff = largest_difference(results["model"], results["reference"])
     print(f"model against reference: largest relative difference {diff:.2e} (output and gradients, bf16)")
 

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, print_floor_table, time_cuda  # noqa: E402
 
 from nanogpt_pl.distributed.row_exchange import unique_fixed  # noqa: E402
 from nanogpt_pl.model.embeddings import HashedNgramEmbedding, NgramInput, ngram_row_ids, ngram_sign_rows  # noqa: E402
@@ -77,17 +77,12 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(grad, args.iters)
     floor_bytes = 2 * 2 * grad.numel() * grad.element_size() + 2 * leaf.numel() * 4  # out + its grad; leaf + its grad
-    floor_ms = floor_bytes / bandwidth * 1e3
     ref = results["reference"]
     diff = float((results["triton"] - ref).abs().max() / ref.abs().max())
 
     print(f"n-gram rows' read, forward + backward, compiled: {args.tokens} tokens x {DIM}, {distinct} distinct "
           f"table rows of {2 * args.tokens} entries (Zipf {args.exponent} tokens), leaf {rows} rows")
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {args.iters}")
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.3f} GB moved = {floor_ms:.3f} ms")
-    print(f"{'row':<12} {'ms':>8} {'x floor':>8} {'reference/row':>14}")
-    for name, ms in times.items():
-        print(f"{name:<12} {ms:8.3f} {ms / floor_ms:7.2f}x {times['reference'] / ms:13.2f}x")
+    print_floor_table(times, floor_bytes, bandwidth, args.iters)
     print(f"triton against reference: largest difference of the leaf gradient {diff:.2e} of its largest value")
 
 

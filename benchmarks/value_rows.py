@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import copy_bandwidth, time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, print_floor_table, time_cuda  # noqa: E402
 
 import nanogpt_pl.ops.triton.row_sum as row_sum  # noqa: E402
 from nanogpt_pl.distributed.sparse_channels import reserved_value_rows  # noqa: E402
@@ -99,17 +99,12 @@ def main() -> None:
     bandwidth = copy_bandwidth(grads[0], args.iters)
     plane_bytes = PLANES * args.tokens * DIM * 2
     floor_bytes = 2 * plane_bytes + 2 * leaf.numel() * 4  # planes written + gradients read; leaf read + grad written
-    floor_ms = floor_bytes / bandwidth * 1e3
     ref = results["reference"]
     diff = max(float((r - ref).abs().max() / ref.abs().max()) for n, r in results.items() if n != "reference")
 
     print(f"value planes' gather, forward + backward, compiled: {args.tokens} tokens, {PLANES} planes x {DIM}, "
           f"{distinct} distinct tokens (Zipf {args.exponent}; the most frequent {top} times), leaf {rows} rows")
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; median of {args.iters}")
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_bytes / 1e9:.3f} GB moved = {floor_ms:.3f} ms")
-    print(f"{'row':<18} {'ms':>8} {'x floor':>8} {'reference/row':>14}")
-    for name, ms in times.items():
-        print(f"{name:<18} {ms:8.3f} {ms / floor_ms:7.2f}x {times['reference'] / ms:13.2f}x")
+    print_floor_table(times, floor_bytes, bandwidth, args.iters)
     print(f"triton rows against reference: largest difference of the leaf gradient {diff:.2e} of its largest value")
 
 
