@@ -82,6 +82,9 @@ class OptimConfig:
         matrix_weight_decay: decay of the hidden matrices (ANVIL: 2.25, RECORD §8).
         anvil_cuda_graph: on a GPU, ANVIL replays each bank's update from a CUDA graph (one
             launch instead of ~70 per bank; same arithmetic, bit for bit); False runs it eagerly.
+        anvil_bank_views: the matrices become views of their ANVIL bank's one tensor, so the update
+            writes them in place (one rank) or gathers into them (several) instead of copying every
+            matrix into the bank and back each step; same bits. False copies.
         adam_cuda_graph: on a GPU, the dense Adam update of the replicated parameters replays from
             a CUDA graph per layout (RECORD §11's optimizer tail; each graph checked bit for bit
             against the eager update when captured); False runs it eagerly. It applies to the
@@ -130,6 +133,7 @@ class OptimConfig:
     matrix_betas: tuple[float, float] = (0.9, 0.95)
     matrix_weight_decay: float = 2.25
     anvil_cuda_graph: bool = True
+    anvil_bank_views: bool = True
     adam_cuda_graph: bool = True
     adam_lr: float = 0.008
     adam_eps: float = 1e-10
@@ -410,7 +414,8 @@ class SpeedrunModule(L.LightningModule):
             parts["matrices"] = Anvil([matrices], lr=o.matrix_lr, weight_decay=o.matrix_weight_decay,
                                       engage_step=self.schedule.anvil_engage_step,
                                       cuda_graph=None if o.anvil_cuda_graph else False, process_group=pg,
-                                      backend=self.backends.polar, update_backend=self.backends.anvil)
+                                      backend=self.backends.polar, update_backend=self.backends.anvil,
+                                      bank_views=o.anvil_bank_views)
         else:
             parts["matrices"] = DistAdam(matrices["params"], lr=o.matrix_lr, betas=o.matrix_betas, eps=o.adam_eps,
                                          weight_decay=o.matrix_weight_decay, cautious_wd=o.cautious_wd,

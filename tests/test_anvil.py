@@ -361,6 +361,49 @@ def test_missing_gradients() -> None:
     torch.testing.assert_close(params[1].detach().double(), decayed, rtol=1e-6, atol=0)
 
 
+def _views_run(params: list[torch.nn.Parameter], opt: Anvil, seed: int, steps: range, repoint_at: int = -1) -> None:
+    group = opt.param_groups[0]
+    for step in steps:
+        if step == repoint_at:  # something outside the optimizer gives one matrix new storage
+            params[3].data = params[3].data.clone()
+        group["lr"], group["momentum"] = schedule(step)
+        set_grads(params, seed, step)
+        before = [p._version for p in params]
+        opt.step()
+        # the FP8 weight caches see a changed weight by its own version counter, views or not
+        assert all(p._version > b for p, b in zip(params, before)), step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bank_views_update_the_parameters_in_place_like_the_copies(dtype: torch.dtype, random_seed: int) -> None:
+    """With ``bank_views`` the parameters are views of their bank's one tensor and the step updates
+    them there; the values are the copying step's, bit for bit, across the engage step, and a
+    parameter re-pointed mid-run makes only its own bank fall back to copying."""
+    views, copies = make_params(random_seed, dtype), make_params(random_seed, dtype)
+    start = [p.detach().clone() for p in views]
+    opt_v = Anvil(views, engage_step=3, backend="reference", compile=False)
+    opt_c = Anvil(copies, engage_step=3, backend="reference", compile=False, bank_views=False)
+    for p, s in zip(views, start):  # re-pointed, values unchanged
+        assert torch.equal(p.detach(), s)
+    for bank in opt_v._banks:
+        assert bank.views_intact()
+        for p, first, n in bank.pieces:
+            assert p.data_ptr() == bank.storage[first].data_ptr() and p.is_contiguous()
+    assert all(b.storage is None and not b.views_intact() for b in opt_c._banks)
+    _views_run(views, opt_v, random_seed, range(4))
+    _views_run(copies, opt_c, random_seed, range(4))
+    assert "own" not in opt_v._banks[0].buffers  # one rank: nothing copied out of the parameters
+    for a, b in zip(views, copies):
+        assert torch.equal(a.detach(), b.detach())
+    _views_run(views, opt_v, random_seed, range(4, 7), repoint_at=5)
+    _views_run(copies, opt_c, random_seed, range(4, 7))
+    assert [b.views_intact() for b in opt_v._banks] == [True, True, False]  # params[3] is in the (24, 12) bank
+    for a, b in zip(views, copies):
+        assert torch.equal(a.detach(), b.detach())
+    for a, b in zip(opt_v.state_dict()["banks"], opt_c.state_dict()["banks"]):
+        assert torch.equal(a["rails"], b["rails"]) and torch.equal(a["lane_energy"], b["lane_energy"])
+
+
 def _save_load(sd: dict) -> dict:
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -581,13 +624,18 @@ def test_gpu_graph_replays_bump_the_versions_of_the_matrices() -> None:
 def test_gpu_cuda_graph_equals_eager_bit_for_bit(backend: str, update_backend: str) -> None:
     """Replaying the captured bank work gives exactly the eager arithmetic: across the engage step,
     with the lr and momentum changing every step, after the parameters' storage moved, and after
-    a state_dict round trip."""
+    a state_dict round trip. The graphed run's matrices are views of their banks (``bank_views``)
+    until the move, the eager run's are copied in and out."""
     runs = []
     for graph in (True, False):
         params = record_matrices("cuda")
-        opt = Anvil(params, engage_step=3, backend=backend, update_backend=update_backend, cuda_graph=graph)
+        opt = Anvil(params, engage_step=3, backend=backend, update_backend=update_backend, cuda_graph=graph,
+                    bank_views=graph)
         assert opt.cuda_graph is graph
-        _gpu_run(params, opt, range(0, 5), move_at=4)
+        _gpu_run(params, opt, range(0, 4))
+        assert all(b.views_intact() is graph for b in opt._banks)
+        _gpu_run(params, opt, range(4, 5), move_at=4)
+        assert not any(b.views_intact() for b in opt._banks)
         sd = copy.deepcopy(opt.state_dict())
         opt.load_state_dict(sd)  # copies into the captured state tensors
         _gpu_run(params, opt, range(5, 8))

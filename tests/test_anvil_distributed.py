@@ -6,6 +6,9 @@ exact in bf16 and fp32 and the average (a division by a power of two) is exact t
 sharded run sees bit-identical gradients, and the tolerance below is zero. The banks are
 5, 3 and 2 matrices, so every world size pads and some ranks own nothing in a bank.
 
+Every rank's parameters are views of their banks (``bank_views``), gathered into in place; a
+second optimizer that copies them instead gives the same bits on every rank.
+
 Checkpoints: each rank's own shard (``state_dict()``) resumes bit-exactly on the same
 rank, and the consolidated state (``consolidate_state_dict()`` then ``state_dict()`` on
 rank 0) resumes on a single process.
@@ -167,10 +170,18 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
             run_steps(opt2, again, range(RESUME_AT, STEPS), grads_of)
             for a, b in zip(params, again):
                 assert torch.equal(a.detach(), b.detach()), f"rank {rank}: local-shard resume diverged"
+            # the parameters are views of their banks, gathered into in place; copying them gives the same bits
+            assert all(bank.views_intact() and "gathered" not in bank.buffers for bank in opt._banks)
+            copies = make_params(dtype)
+            opt3 = Anvil(copies, engage_step=ENGAGE, backend="reference", compile=False, bank_views=False)
+            run_steps(opt3, copies, range(STEPS), lambda step: rank_grads(copies, rank, step))
+            for a, b in zip(params, copies):
+                assert torch.equal(a.detach(), b.detach()), f"rank {rank}: bank views differ from copies"
             results[str(dtype)] = {
                 "params": [p.detach().clone() for p in params],
                 "full_state": full,
                 "weights_at_resume": weights,
+                "views_equal_copies": True,
             }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo aborts)
@@ -196,6 +207,7 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
     for dtype in DTYPES:
         key = str(dtype)
         reference = single_process(dtype, world, range(STEPS))
+        assert all(per_rank[r][key]["views_equal_copies"] for r in range(world))
         for r in range(world):
             for got, want in zip(per_rank[r][key]["params"], reference):
                 # exact: the sharded run sees bit-identical gradients (see the module docstring)

@@ -38,7 +38,10 @@ ranks each bank is padded to a multiple of ``W`` matrices; rank ``k`` owns the `
 contiguous slice. A step stacks each bank's gradients, launches every bank's
 reduce-scatter (average) at once, then works bank by bank: wait for its gradient shard,
 update the owned matrices, launch its all-gather; finally it waits for the gathers and
-writes the gathered matrices back into the parameters. There is no DDP wrapper: this
+writes the gathered matrices back into the parameters. With ``bank_views`` (the default) a
+bank's matrices live in one tensor and the parameters are views of it: one rank updates
+them in place and several ranks gather straight into it, so no matrix is copied into or out
+of the bank. There is no DDP wrapper: this
 optimizer owns the communication of its parameters. A parameter's gradient that is
 ``None`` counts as zero, unless every gradient of the bank is ``None`` (then the bank is
 skipped on every rank; the ranks must agree on that, as they do in data-parallel training).
@@ -222,6 +225,9 @@ class _Bank:
     rails: Tensor  # [2, owned, rows, cols] fp32
     lane_energy: Tensor  # [owned, rows, 1] or [owned, 1, cols] fp32
     sidecar: Optional[Tensor]  # [owned, rows, cols] int16, bf16 params only
+    # bank_views: [per_rank * world, rows, cols], every piece's parameter a view of its slice
+    storage: Optional[Tensor] = None
+    view_ptrs: tuple = ()  # the address each piece's parameter has while it is that view
     buffers: dict[str, Tensor] = field(default_factory=dict)
     # CUDA graph of this bank's local work (see Anvil's cuda_graph); keyed by what it captured
     graph: Optional[Any] = None
@@ -245,6 +251,10 @@ class _Bank:
 
     def matrices(self, p: Tensor) -> Tensor:
         return p.view(-1, self.rows, self.cols)
+
+    def views_intact(self) -> bool:
+        """Every parameter of the bank is still the view of ``storage`` it was made (nothing re-pointed it)."""
+        return self.storage is not None and tuple(p.data_ptr() for p, _, _ in self.pieces) == self.view_ptrs
 
     def owned_pieces(self) -> list[tuple[Tensor, int, int, int]]:
         """(param, first matrix in the param, first slot in the owned shard, count) for owned matrices."""
@@ -300,6 +310,11 @@ class Anvil(torch.optim.Optimizer):
         process_group: ranks that share the matrices. None = the default group when
             torch.distributed is initialized (as ``DistAdam``), else no communication; a group
             of size 1 also means no communication.
+        bank_views: hold each bank's matrices in one tensor and make its parameters views of it
+            (``param.data`` is re-pointed once, here; values unchanged). One rank then updates
+            the parameters in place and several ranks all-gather into them, where False copies
+            every matrix into the bank's buffer and back each step (two copies a parameter).
+            A parameter re-pointed later (``param.data = ...``) makes its bank copy again.
     """
 
     def __init__(
@@ -320,6 +335,7 @@ class Anvil(torch.optim.Optimizer):
         compile: Optional[bool] = None,
         cuda_graph: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
+        bank_views: bool = True,
     ) -> None:
         if lr < 0:
             raise ValueError(f"Anvil: lr must be >= 0, got {lr}")
@@ -331,6 +347,7 @@ class Anvil(torch.optim.Optimizer):
                         lane_eps=lane_eps, slow_beta=slow_beta, blend=blend,
                         fast_beta_engaged=fast_beta_engaged, engage_step=engage_step)
         self._banks: list[_Bank] = []
+        self.bank_views = bool(bank_views)
         self._ready = False
         super().__init__(params, defaults)
         self.maps = tuple(tuple(float(v) for v in m) for m in maps)
@@ -445,7 +462,15 @@ class Anvil(torch.optim.Optimizer):
             dev = self.device
             owned = hi - lo
             lane_shape = (owned, rows, 1) if rows >= cols else (owned, 1, cols)
+            storage, view_ptrs = None, ()
+            if self.bank_views:
+                storage = torch.zeros(per_rank * w, rows, cols, dtype=dtype, device=dev)
+                for p, start, n in pieces:
+                    storage[start:start + n].copy_(p.detach().reshape(n, rows, cols))
+                    p.data = storage[start:start + n].view(p.shape)
+                view_ptrs = tuple(p.data_ptr() for p, _, _ in pieces)
             self._banks.append(_Bank(
+                storage=storage, view_ptrs=view_ptrs,
                 group=gi, rows=rows, cols=cols, dtype=dtype, pieces=pieces, count=count, per_rank=per_rank,
                 lo=lo, hi=hi,
                 lr_mul=torch.tensor([shape_mul * m for m in muls[lo:hi]], dtype=torch.float32,
@@ -513,24 +538,40 @@ class Anvil(torch.optim.Optimizer):
                 work.wait()
                 if not avg_op:
                     shard.mul_(1.0 / world)
-            own = bank.buffer("own", bank.per_rank, bank.dtype, dev)
+            views = bank.views_intact()
+            # one rank with views updates the parameters where they are; otherwise the owned matrices
+            # are updated in a buffer (and with several ranks gathered from it)
+            own = bank.storage if views and world == 1 else bank.buffer("own", bank.per_rank, bank.dtype, dev)
             if bank.owned:
-                self._run_local(bank, shard, own, scalars, copy_back=world == 1)
+                self._run_local(bank, shard, own, scalars, copy_back=world == 1, views=views)
             if world == 1:
                 continue
-            full = bank.buffer("gathered", bank.per_rank * world, bank.dtype, dev)
-            gathers.append((bank, full, _all_gather(full, own, group=self.process_group, async_op=True)))
+            full = bank.storage if views else bank.buffer("gathered", bank.per_rank * world, bank.dtype, dev)
+            gathers.append((bank, full, views, _all_gather(full, own, group=self.process_group, async_op=True)))
 
-        for bank, full, work in gathers:
+        for bank, full, views, work in gathers:
             work.wait()
+            if views:  # gathered into the parameters themselves; their version counters are their own
+                increment_version([p for p, _, _ in bank.pieces])
+                continue
             for p, start, n in bank.pieces:
                 bank.matrices(p).copy_(full[start:start + n])
         self._step += 1
         return loss
 
-    def _local_work(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool) -> None:
-        """Copy the owned matrices into ``own``, update them, and (one rank) copy them back."""
+    def _local_work(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool,
+                    views: bool) -> None:
+        """Copy the owned matrices into ``own``, update them, and (one rank) copy them back.
+
+        With ``views`` the matrices are read from the bank's storage: with one rank ``own`` is
+        that storage (nothing to copy), with several one copy fills ``own`` from the owned slice.
+        """
         n = bank.owned
+        if views:
+            if own.data_ptr() != bank.storage.data_ptr():
+                own[:n].copy_(bank.storage[bank.lo:bank.hi])
+            self._update_bank(bank, grad[:n], own[:n], scalars[bank.group])
+            return
         pieces = bank.owned_pieces()
         for p, a, slot, m in pieces:
             own[slot:slot + m].copy_(bank.matrices(p)[a:a + m])
@@ -539,17 +580,21 @@ class Anvil(torch.optim.Optimizer):
             for p, a, slot, m in pieces:
                 bank.matrices(p)[a:a + m].copy_(own[slot:slot + m])
 
-    def _run_local(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool) -> None:
+    def _run_local(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool,
+                   views: bool) -> None:
         """:meth:`_local_work`, eagerly or through the bank's CUDA graph (see ``cuda_graph``)."""
+        # the parameters' own version counters move only with writes made through them
+        wrote = copy_back and (views or self.cuda_graph)
         if not self.cuda_graph:
-            self._local_work(bank, grad, own, scalars, copy_back)
+            self._local_work(bank, grad, own, scalars, copy_back, views)
+            self._mark_written(bank, wrote)
             return
         # the graph bakes in every address it touches: recapture if any of them moved
-        key = (grad.data_ptr(), own.data_ptr(), scalars.data_ptr(), copy_back, self.maps,
+        key = (grad.data_ptr(), own.data_ptr(), scalars.data_ptr(), copy_back, views, self.maps,
                tuple(p.data_ptr() for p, _, _ in bank.pieces))
         if bank.graph is not None and bank.graph_key == key:
             bank.graph.replay()
-            self._mark_written(bank, copy_back)
+            self._mark_written(bank, wrote)
             return
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(device=self.device)
@@ -559,36 +604,40 @@ class Anvil(torch.optim.Optimizer):
             # warm-up on the capture stream (cuBLAS handles and workspaces are per stream)
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                self._local_work(bank, grad, own, scalars, copy_back)
+                self._local_work(bank, grad, own, scalars, copy_back, views)
             current.wait_stream(side)
             bank.warmed = True
+            self._mark_written(bank, copy_back and views)
             return
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the data loader's prefetch thread may allocate (pinned) memory meanwhile
             with torch.cuda.graph(graph, pool=self._graph_pool, stream=side, capture_error_mode="thread_local"):
-                self._local_work(bank, grad, own, scalars, copy_back)
+                self._local_work(bank, grad, own, scalars, copy_back, views)
         except Exception as err:  # pragma: no cover - depends on the GPU toolchain
             # capture records kernels without running them, so nothing was updated yet
             warnings.warn(f"Anvil: CUDA graph capture failed ({err!r}); running the update eagerly from now on. "
                           f"Pass cuda_graph=False to skip the attempt.")
             close_failed_capture()
             self.cuda_graph = False
-            self._local_work(bank, grad, own, scalars, copy_back)
+            self._local_work(bank, grad, own, scalars, copy_back, views)
+            self._mark_written(bank, copy_back and views)
             return
         bank.graph, bank.graph_key = graph, key
         graph.replay()
-        self._mark_written(bank, copy_back)
+        self._mark_written(bank, wrote)
 
     @staticmethod
-    def _mark_written(bank: _Bank, copy_back: bool) -> None:
-        """Bump the version counters of the parameters a graph replay wrote (``copy_back``).
+    def _mark_written(bank: _Bank, wrote: bool) -> None:
+        """Bump the version counters of the parameters a graph replay or an in-place update wrote.
 
-        A replay runs no ATen operation, so autograd's counters would not move, and the FP8
+        A replay runs no ATen operation, and an update of the bank's storage moves the storage's
+        counter, not the parameters' (a parameter re-pointed at a view keeps its own); so autograd's
+        counters would not move, and the FP8
         weight caches (``nanogpt_pl.ops.fp8.cache``), which see a changed weight by its counter,
         would go on quantizing the weights of the step the graph was captured at.
         """
-        if copy_back:
+        if wrote:
             increment_version([p for p, _, _ in bank.pieces])
 
     def _update_bank(self, bank: _Bank, grad: Tensor, params: Tensor, s: Tensor) -> None:
