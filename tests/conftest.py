@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from background import LAUNCH_VARS, is_background_test, start_runs, stop_runs
 from interpreter import is_launcher_module, register_session_modules, start_session_child, stop_children
 from seeds import fresh_seed
 from train_helpers import write_markov_shards
@@ -28,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
     launchers = {str(item.fspath) for item in items if item.name.endswith("_under_interpreter")}
     register_session_modules(p for p in launchers if is_launcher_module(p))
     start_session_child()  # in the background, beside the parent's tests
-    # the launchers wait for that child: last, so the parent's other tests run while it works
-    items.sort(key=lambda item: item.name.endswith("_under_interpreter"))
+    start_runs(item.nodeid for item in items)  # the long CLI runs too (tests/background.py)
+    # the launchers and the background runs' tests wait for them: last, so the parent's other tests
+    # run meanwhile
+    items.sort(key=lambda item: (is_background_test(item.nodeid), item.name.endswith("_under_interpreter")))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -40,6 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     stop_children()
+    stop_runs()
 
 
 @pytest.fixture
@@ -81,10 +85,6 @@ def _toy_config(tmp: Path, files: tuple[str, str], **overrides) -> Path:
     return out
 
 
-# Rendezvous variables an earlier in-process Lightning run leaves in os.environ: a child CLI
-# that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
-               "PL_SEED_WORKERS")
 
 
 def cli_in_process(args: list[str], cwd: Path | None = None) -> tuple[int, str, str]:

@@ -1,0 +1,105 @@
+"""Long command-line runs started in the background as soon as collection ends.
+
+The README's quickstart trains for about three minutes on a 2-core machine, most of it in
+one process of torch threads. Started right after collection (``conftest.py``) with one
+intra-op thread, it runs beside the rest of the session, whose tests are mostly one thread
+of Python, and its test, moved to the end of the session, waits for it and checks what it
+wrote. A test whose run was not started in the background (the test selected alone) starts
+it itself and waits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+# Rendezvous variables an earlier in-process Lightning run leaves in os.environ: a child CLI
+# that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
+               "PL_SEED_WORKERS")
+# test node id -> main.py arguments, for the runs the session starts early
+RUNS: dict[str, list[str]] = {
+    "test_quickstart.py::test_quickstart_config_end_to_end":
+        ["fit", "--config", str(ROOT / "configs" / "quickstart.yaml")],
+}
+
+
+@dataclass
+class Finished:
+    """What a background run left: exit code, output, and the directory it ran in."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    cwd: Path
+
+
+class BackgroundRun:
+    """``python main.py ARGS`` in a fresh directory, started now with one intra-op thread."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.cwd = Path(tempfile.mkdtemp(prefix="nanogpt-pl-bg-"))
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args], cwd=self.cwd, env=env,
+                                      stdout=self._out, stderr=self._err, text=True)
+        self._done: Optional[Finished] = None
+
+    def result(self, timeout: float) -> Finished:
+        if self._done is None:
+            try:
+                code = self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            self._out.seek(0)
+            self._err.seek(0)
+            self._done = Finished(code, self._out.read(), self._err.read(), self.cwd)
+            self._out.close()
+            self._err.close()
+        return self._done
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.cwd, ignore_errors=True)
+
+
+_runs: dict[str, BackgroundRun] = {}
+
+
+def is_background_test(nodeid: str) -> bool:
+    return any(nodeid.endswith(name) for name in RUNS)
+
+
+def start_runs(nodeids) -> None:
+    """Start the background run of every collected test that has one (from ``conftest.py``)."""
+    for nodeid in nodeids:
+        for name, args in RUNS.items():
+            if nodeid.endswith(name) and name not in _runs:
+                _runs[name] = BackgroundRun(args)
+
+
+def finished_run(name: str, timeout: float) -> Finished:
+    """The run of test ``name`` (a key of :data:`RUNS`): the one the session started, else one started now."""
+    if name not in _runs:
+        _runs[name] = BackgroundRun(RUNS[name])
+    return _runs[name].result(timeout)
+
+
+def stop_runs() -> None:
+    """Kill runs still going (the session ended before their tests, e.g. ``-x``) and remove their directories."""
+    for run in _runs.values():
+        run.stop()
+        run.remove()
