@@ -289,6 +289,25 @@ def test_compare_verdict_and_speed_per_stage(tmp_path, capsys):
     assert "| A − B | 33 |" in out and "noise" not in out.split("Speed")[0]
 
 
+def test_default_run_names_tell_runs_apart(tmp_path, capsys):
+    from nanogpt_pl.cli import main
+    from nanogpt_pl.tools.plot import distinct_labels
+
+    assert distinct_labels(["logs/a/csv/version_0", "logs/b/csv/version_0"]) == ["a/csv/version_0",
+                                                                                   "b/csv/version_0"]
+    assert distinct_labels(["x/1/metrics.csv", "y/1/metrics.csv"]) == ["x/1", "y/1"]
+    assert distinct_labels(["runs/a.csv", "runs/b.csv"]) == ["a.csv", "b.csv"]
+    assert distinct_labels(["logs/first", "logs/second"]) == ["first", "second"]
+    # two runs' metrics.csv files, as a device copies them back: the report names them by their folders
+    files = []
+    for name in ("old", "new"):
+        d = _logged_run(tmp_path / name, "csv", {9: 5.0, 19: 4.0})
+        files.append(str(next(d.rglob("metrics.csv"))))
+    assert main(["compare", *files]) == 0
+    out = capsys.readouterr().out
+    assert "## old/csv/version_0 against new/csv/version_0" in out
+
+
 def test_compare_errors_are_one_line(tmp_path, capsys):
     a = _logged_run(tmp_path, "a", {s: 3.0 for s in range(0, 50, 10)})
     b = _logged_run(tmp_path, "b", {s: 3.0 for s in range(5, 50, 10)})

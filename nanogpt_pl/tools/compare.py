@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .plot import RunLog, load_run
+from .plot import RunLog, distinct_labels, load_run
 
 
 @dataclass
@@ -167,7 +167,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--noise", default=None, metavar="RUN",
                         help="a run that differs from the first only in its seed: its difference is the noise")
     parser.add_argument("--labels", nargs="+", default=None,
-                        help="names of the runs, one per RUN (and one for --noise); default: the folder names")
+                        help="names of the runs, one per RUN (and one for --noise); default: the folder "
+                        "names (as many trailing parts as tell them apart)")
     parser.add_argument("--from-step", type=int, default=0, help="compare logged steps from this one on")
     parser.add_argument("--to-step", type=int, default=None, help="compare logged steps up to this one")
 
@@ -177,7 +178,7 @@ def run(args) -> int:
     if args.labels is not None and len(args.labels) != len(paths):
         raise ValueError(f"--labels got {len(args.labels)} labels for {len(paths)} runs "
                          "(the two RUNs, and --noise when given); give one each")
-    labels = args.labels or [None] * len(paths)
+    labels = args.labels or distinct_labels(paths)
     runs = [load_run(p, label) for p, label in zip(paths, labels)]
     print(report(runs[:2], runs[2] if args.noise else None, args.from_step, args.to_step), end="")
     return 0

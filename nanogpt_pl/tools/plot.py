@@ -64,6 +64,27 @@ def find_metrics(run_dir: str | Path) -> Path:
     return found[-1]
 
 
+def distinct_labels(paths: Sequence[str | Path]) -> list[str]:
+    """Default names of runs: the fewest trailing path parts that tell them apart.
+
+    ``logs/a/csv/version_0`` and ``logs/b/csv/version_0`` are ``a/csv/version_0`` and
+    ``b/csv/version_0``; ``x/metrics.csv`` and ``y/metrics.csv`` are ``x`` and ``y`` (a
+    ``metrics.csv`` file name says nothing), and so on for any other common file name.
+    """
+    parts = []
+    for p in paths:
+        q = Path(p).resolve()
+        if q.suffix == ".csv" and len({Path(o).name for o in paths}) == 1 and len(paths) > 1:
+            q = q.parent  # the same file name in every path: the folders are the names
+        parts.append(q.parts)
+    longest = max((len(x) for x in parts), default=1)
+    for k in range(1, longest + 1):
+        labels = ["/".join(x[-k:]) for x in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return ["/".join(x) for x in parts]  # the same path twice: its full name, twice
+
+
 def load_run(run_dir: str | Path, label: Optional[str] = None) -> RunLog:
     """Read one run's CSV log (Lightning's CSVLogger format: one row per logging call)."""
     path = find_metrics(run_dir)
@@ -140,7 +161,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="log folders of runs (a CSVLogger's save_dir, or a metrics.csv)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend labels, one per RUN_DIR "
-                        "(default: the folder names)")
+                        "(default: the folder names, with as many trailing parts as tell them apart)")
     parser.add_argument("--out", default="plots", help="folder for the PNG files (default plots/)")
     parser.add_argument("--size", type=int, nargs=2, default=list(DEFAULT_SIZE), metavar=("WIDTH", "HEIGHT"),
                         help=f"figure size in pixels (default {DEFAULT_SIZE[0]} {DEFAULT_SIZE[1]})")
@@ -149,7 +170,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         raise ValueError(f"--labels got {len(args.labels)} labels for {len(args.run_dirs)} RUN_DIRs; give one each")
-    labels = args.labels or [None] * len(args.run_dirs)
+    labels = args.labels or distinct_labels(args.run_dirs)
     runs = [load_run(d, label) for d, label in zip(args.run_dirs, labels)]
     for path in plot_runs(runs, args.out, tuple(args.size)):
         print(path)
