@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from train_helpers import LossRecorder, make_run, make_trainer, tiny_schedule
+from train_helpers import LossRecorder, make_run, make_trainer, tiny_optim, tiny_schedule
 
 from nanogpt_pl.model.gpt import GPT
 from nanogpt_pl.module import micro_batches
@@ -93,3 +93,33 @@ def test_micro_batches_normalises_a_step_batch():
     a, b = {"inputs": torch.zeros(3)}, {"inputs": torch.zeros(5)}
     assert micro_batches([a, b]) == [a, b]
     assert micro_batches(a) == [a] and micro_batches(a)[0] is a
+
+
+def test_anvil_matrices_stay_views_of_their_banks_through_a_run_and_a_resume(toy_files, tmp_path):
+    """model.optim.anvil_bank_views: the hidden matrices become views of their ANVIL bank when the
+    optimizer is built, and nothing in a Lightning run (the timer's reset to its saved state, a
+    checkpoint save and a resume) re-points them; the losses are those of the copying optimizer."""
+    from callbacks.speedrun_timer import SpeedrunTimer
+
+    def banks(module):
+        return module._combined().parts["matrices"]._banks
+
+    sched = tiny_schedule(6)
+    losses = {}
+    for views in (True, False):
+        module, data = make_run(toy_files, sched, optim=tiny_optim(matrix_optimizer="anvil", matrix_lr=0.02,
+                                                                  anvil_bank_views=views))
+        rec = LossRecorder()
+        ckpt = ModelCheckpoint(dirpath=tmp_path / f"ckpt{views}", every_n_train_steps=3, save_top_k=-1)
+        make_trainer(tmp_path / f"run{views}", callbacks=[SpeedrunTimer(target=0.0), rec, ckpt],
+                     enable_checkpointing=True).fit(module, data)
+        assert banks(module) and all(b.views_intact() is views for b in banks(module))
+        losses[views] = rec.losses
+    assert losses[True] == losses[False] and sorted(losses[True]) == list(range(6))
+
+    module, data = make_run(toy_files, sched, optim=tiny_optim(matrix_optimizer="anvil", matrix_lr=0.02))
+    resumed = LossRecorder()
+    make_trainer(tmp_path / "resumed", callbacks=[resumed]).fit(
+        module, data, ckpt_path=str(next((tmp_path / "ckptTrue").glob("*step=3*.ckpt"))))
+    assert all(b.views_intact() for b in banks(module))
+    assert {s: resumed.losses[s] for s in range(3, 6)} == {s: losses[True][s] for s in range(3, 6)}
