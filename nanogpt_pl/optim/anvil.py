@@ -632,10 +632,9 @@ class Anvil(torch.optim.Optimizer):
         """Bump the version counters of the parameters a graph replay or an in-place update wrote.
 
         A replay runs no ATen operation, and an update of the bank's storage moves the storage's
-        counter, not the parameters' (a parameter re-pointed at a view keeps its own); so autograd's
-        counters would not move, and the FP8
-        weight caches (``nanogpt_pl.ops.fp8.cache``), which see a changed weight by its counter,
-        would go on quantizing the weights of the step the graph was captured at.
+        counter, not the parameters' (a parameter re-pointed at a view keeps its own). Without
+        this bump the FP8 weight caches (``nanogpt_pl.ops.fp8.cache``), which see a changed weight
+        by its counter, would go on quantizing the weights of an earlier step.
         """
         if wrote:
             increment_version([p for p, _, _ in bank.pieces])
