@@ -41,19 +41,16 @@ class Finished:
     cwd: Path
 
 
-class BackgroundRun:
-    """``python main.py ARGS`` in a fresh directory, started now with one intra-op thread."""
+class Process:
+    """A child process started now, its output collected in temporary files (no pipe to fill)."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.cwd = Path(tempfile.mkdtemp(prefix="nanogpt-pl-bg-"))
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Optional[Path] = None) -> None:
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self._proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args], cwd=self.cwd, env=env,
-                                      stdout=self._out, stderr=self._err, text=True)
-        self._done: Optional[Finished] = None
+        self._proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._out, stderr=self._err, text=True)
+        self._done: Optional[tuple[int, str, str]] = None
 
-    def result(self, timeout: float) -> Finished:
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once it ends; past ``timeout`` seconds it is killed and TimeoutExpired raised."""
         if self._done is None:
             try:
                 code = self._proc.wait(timeout=timeout)
@@ -62,7 +59,7 @@ class BackgroundRun:
                 raise
             self._out.seek(0)
             self._err.seek(0)
-            self._done = Finished(code, self._out.read(), self._err.read(), self.cwd)
+            self._done = (code, self._out.read(), self._err.read())
             self._out.close()
             self._err.close()
         return self._done
@@ -71,6 +68,22 @@ class BackgroundRun:
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+
+class BackgroundRun:
+    """``python main.py ARGS`` in a fresh directory, started now with one intra-op thread."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.cwd = Path(tempfile.mkdtemp(prefix="nanogpt-pl-bg-"))
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self._process = Process([sys.executable, str(ROOT / "main.py"), *args], env, self.cwd)
+
+    def result(self, timeout: float) -> Finished:
+        return Finished(*self._process.wait(timeout), self.cwd)
+
+    def stop(self) -> None:
+        self._process.stop()
 
     def remove(self) -> None:
         shutil.rmtree(self.cwd, ignore_errors=True)

@@ -18,13 +18,12 @@ child; a launcher whose module it does not cover starts its own run.
 import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+from background import Process
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
@@ -86,32 +85,17 @@ class _Child:
     def __init__(self, modules: tuple[str, ...]) -> None:
         # one intra-op thread: the interpreter's tests are small, and the parent runs beside it
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda",
-             "--continue-on-collection-errors", *modules],
-            env=env, stdout=self._out, stderr=self._err, text=True,
-        )
+        self._process = Process([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "not cuda",
+                                 "--continue-on-collection-errors", *modules], env)
         self._run: Optional[ChildRun] = None
 
     def result(self) -> ChildRun:
         if self._run is None:
-            try:
-                code = self._proc.wait(timeout=CHILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.stop()
-                raise
-            self._out.seek(0)
-            self._err.seek(0)
-            self._run = parse_child(code, self._out.read(), self._err.read())
-            self._out.close()
-            self._err.close()
+            self._run = parse_child(*self._process.wait(CHILD_TIMEOUT_S))
         return self._run
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+        self._process.stop()
 
 
 CHILD_TIMEOUT_S = 900
