@@ -23,9 +23,10 @@ Kernels (FlashAttention-2 layout, fp32 accumulation, exp2 with the scale folded 
 
 1. forward: one program per (query tile, head); online softmax; writes the output and the
    log-sum-exp (base 2) per row;
-2. ``delta = rowsum(dO * O)`` per row;
-3. dK/dV: one program per (key tile, head), looping over the query tiles that see it;
-4. dQ: one program per (query tile, head), looping over the same keys as the forward.
+2. dQ: one program per (query tile, head), looping over the same keys as the forward; it
+   first computes ``delta = rowsum(dO * O)`` of its rows (it loads their dO anyway) and
+   stores it for the next kernel;
+3. dK/dV: one program per (key tile, head), looping over the query tiles that see it.
 
 Splitting dQ from dK/dV recomputes ``QKᵀ`` and ``dO·Vᵀ`` once more but needs no atomics,
 so the gradients are deterministic.
@@ -158,18 +159,6 @@ def _fwd_kernel(Q, K, V, OUT, LSE, ROW_LO, N,
 
 
 @triton.jit
-def _delta_kernel(OUT, DO, DELTA, N, stride_on, stride_oh, stride_dn, stride_dh,
-                  D_V: tl.constexpr, BLOCK_M: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h = tl.program_id(1)
-    in_m = offs_m < N
-    dv = tl.arange(0, D_V)
-    o = tl.load(OUT + h * stride_oh + offs_m[:, None] * stride_on + dv[None, :], mask=in_m[:, None], other=0.0)
-    do = tl.load(DO + h * stride_dh + offs_m[:, None] * stride_dn + dv[None, :], mask=in_m[:, None], other=0.0)
-    tl.store(DELTA + h * N + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_m)
-
-
-@triton.jit
 def _dkdv_tile(dk_acc, dv_acc, k, v, q_base, do_base, lse_base, delta_base, ROW_LO, stride_qn, stride_dn,
                offs_n, m_lo, m_hi, N, qk_scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr):
@@ -258,9 +247,9 @@ def _dq_tile(dq_acc, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, of
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROW_LO, N,
+def _dq_kernel(Q, K, V, DO, OUT, DQ, LSE, DELTA, ROW_LO, N,
                stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dn, stride_dh,
-               stride_dqn, stride_dqh, qk_scale, sm_scale,
+               stride_on, stride_oh, stride_dqn, stride_dqh, qk_scale, sm_scale,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
@@ -272,7 +261,10 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROW_LO, N,
     q = tl.load(Q + h * stride_qh + offs_m[:, None] * stride_qn + dk[None, :], mask=in_m[:, None], other=0.0)
     do = tl.load(DO + h * stride_dh + offs_m[:, None] * stride_dn + dv[None, :], mask=in_m[:, None], other=0.0)
     lse = tl.load(LSE + h * N + offs_m, mask=in_m, other=float("inf"))
-    delta = tl.load(DELTA + h * N + offs_m, mask=in_m, other=0.0)
+    # delta = rowsum(dO * O) of these rows, here and for the dK/dV kernel that runs next
+    o = tl.load(OUT + h * stride_oh + offs_m[:, None] * stride_on + dv[None, :], mask=in_m[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * N + offs_m, delta, mask=in_m)
     dq_acc = tl.zeros([BLOCK_M, D_QK], tl.float32)
     k_base = K + h * stride_kh
     v_base = V + h * stride_vh
@@ -354,25 +346,21 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     q, k, v, do = (lastdim_contiguous(x) for x in (q, k, v, do))
     n, h, d_qk = q.shape
     d_v = v.shape[-1]
-    delta = torch.empty(h, n, device=q.device, dtype=torch.float32)
-    block = 16 if INTERPRET else 64
-    _delta_kernel[(triton.cdiv(n, block), h)](
-        o, do, delta, n, o.stride(0), o.stride(1), do.stride(0), do.stride(1), D_V=d_v, BLOCK_M=block,
-    )
+    delta = torch.empty(h, n, device=q.device, dtype=torch.float32)  # written by the dQ kernel, read by dK/dV
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qk_scale = scale * LOG2E
+    bm, bn, warps, stages = _tiles("dq", d_qk, d_v)
+    _dq_kernel[(triton.cdiv(n, bm), h)](
+        q, k, v, do, o, dq, lse, delta, row_lo, n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        o.stride(0), o.stride(1), dq.stride(0), dq.stride(1), qk_scale, scale,
+        D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
     bm, bn, warps, stages = _tiles("dkdv", d_qk, d_v)
     _dkdv_kernel[(triton.cdiv(n, bn), h)](
         q, k, v, do, dk, dv, lse, delta, row_lo, col_hi, n,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), qk_scale, scale,
-        D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-    )
-    bm, bn, warps, stages = _tiles("dq", d_qk, d_v)
-    _dq_kernel[(triton.cdiv(n, bm), h)](
-        q, k, v, do, dq, lse, delta, row_lo, n,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), qk_scale, scale,
         D_QK=d_qk, D_V=d_v, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
     return dq, dk, dv
