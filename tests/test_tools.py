@@ -298,6 +298,7 @@ def test_default_run_names_tell_runs_apart(tmp_path, capsys):
     assert distinct_labels(["x/1/metrics.csv", "y/1/metrics.csv"]) == ["x/1", "y/1"]
     assert distinct_labels(["runs/a.csv", "runs/b.csv"]) == ["a.csv", "b.csv"]
     assert distinct_labels(["logs/first", "logs/second"]) == ["first", "second"]
+    assert distinct_labels(["logs/run/metrics.csv"]) == ["run"]
     # two runs' metrics.csv files, as a device copies them back: the report names them by their folders
     files = []
     for name in ("old", "new"):

@@ -74,8 +74,8 @@ def distinct_labels(paths: Sequence[str | Path]) -> list[str]:
     parts = []
     for p in paths:
         q = Path(p).resolve()
-        if q.suffix == ".csv" and len({Path(o).name for o in paths}) == 1 and len(paths) > 1:
-            q = q.parent  # the same file name in every path: the folders are the names
+        if q.suffix == ".csv" and len({Path(o).name for o in paths}) == 1:
+            q = q.parent  # one file name in every path (or one path): the folders are the names
         parts.append(q.parts)
     longest = max((len(x) for x in parts), default=1)
     for k in range(1, longest + 1):
