@@ -568,7 +568,7 @@ class Anvil(torch.optim.Optimizer):
         """
         n = bank.owned
         if views:
-            if own.data_ptr() != bank.storage.data_ptr():
+            if own is not bank.storage:
                 own[:n].copy_(bank.storage[bank.lo:bank.hi])
             self._update_bank(bank, grad[:n], own[:n], scalars[bank.group])
             return
@@ -583,18 +583,16 @@ class Anvil(torch.optim.Optimizer):
     def _run_local(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool,
                    views: bool) -> None:
         """:meth:`_local_work`, eagerly or through the bank's CUDA graph (see ``cuda_graph``)."""
-        # the parameters' own version counters move only with writes made through them
-        wrote = copy_back and (views or self.cuda_graph)
         if not self.cuda_graph:
             self._local_work(bank, grad, own, scalars, copy_back, views)
-            self._mark_written(bank, wrote)
+            self._mark_written(bank, copy_back)
             return
         # the graph bakes in every address it touches: recapture if any of them moved
         key = (grad.data_ptr(), own.data_ptr(), scalars.data_ptr(), copy_back, views, self.maps,
                tuple(p.data_ptr() for p, _, _ in bank.pieces))
         if bank.graph is not None and bank.graph_key == key:
             bank.graph.replay()
-            self._mark_written(bank, wrote)
+            self._mark_written(bank, copy_back)
             return
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(device=self.device)
@@ -607,7 +605,7 @@ class Anvil(torch.optim.Optimizer):
                 self._local_work(bank, grad, own, scalars, copy_back, views)
             current.wait_stream(side)
             bank.warmed = True
-            self._mark_written(bank, copy_back and views)
+            self._mark_written(bank, copy_back)
             return
         graph = torch.cuda.CUDAGraph()
         try:
@@ -621,15 +619,16 @@ class Anvil(torch.optim.Optimizer):
             close_failed_capture()
             self.cuda_graph = False
             self._local_work(bank, grad, own, scalars, copy_back, views)
-            self._mark_written(bank, copy_back and views)
+            self._mark_written(bank, copy_back)
             return
         bank.graph, bank.graph_key = graph, key
         graph.replay()
-        self._mark_written(bank, wrote)
+        self._mark_written(bank, copy_back)
 
     @staticmethod
     def _mark_written(bank: _Bank, wrote: bool) -> None:
-        """Bump the version counters of the parameters a graph replay or an in-place update wrote.
+        """Bump the version counters of the parameters after an update that wrote them (one rank),
+        whichever way it ran; where a ``copy_`` back already bumped them, one more bump is harmless.
 
         A replay runs no ATen operation, and an update of the bank's storage moves the storage's
         counter, not the parameters' (a parameter re-pointed at a view keeps its own). Without
