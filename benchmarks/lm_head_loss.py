@@ -18,6 +18,7 @@ faster with <= 1/3 of its peak memory.
     python benchmarks/lm_head_loss.py            # ~1 min on an H200
     python benchmarks/lm_head_loss.py --quick    # fewer repetitions
     python benchmarks/lm_head_loss.py --chunk-sweep   # also time chunk sizes of the fused path
+    python benchmarks/lm_head_loss.py --hold --tokens 32768   # the row kernel alone, held vs streamed
 """
 
 from __future__ import annotations
@@ -80,10 +81,16 @@ def main() -> None:
     ap.add_argument("--chunk-sweep", action="store_true", help="also time the fused path at several chunk sizes")
     ap.add_argument("--block-sweep", action="store_true",
                     help="also time the row kernel alone at several block sizes and warp counts")
+    ap.add_argument("--hold", action="store_true",
+                    help="only time the row kernel alone, rows held in registers against streamed, "
+                         "at every sampled P (fp8 logits, e5m2 gradients, as in the training step)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/lm_head_loss.py needs a CUDA GPU")
     warmup, iters = (2, 5) if args.quick else (3, 15)
+    if args.hold:
+        hold_compare(args.tokens, warmup, iters)
+        return
     dev = torch.device("cuda")
     torch.manual_seed(0)
     n = args.tokens
@@ -177,6 +184,34 @@ def main() -> None:
 
     if args.block_sweep:
         block_sweep(n, iters)
+
+
+def hold_compare(n: int, warmup: int, iters: int) -> None:
+    """The row kernel alone on one micro-batch's sampled logits, as the FP8 head hands them over
+    (e4m3 logits in, e5m2 gradients out, RECORD §7): the row's gradient factors held in registers
+    between the two passes (``hold``, the default at every sampled P) against the streamed kernel
+    that reads the row again, both in the same run."""
+    from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
+    from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
+
+    print(f"row kernel alone: {n} rows, e4m3 logits -> e5m2 gradient; device {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}; median of {iters} after {warmup} warmup")
+    print(f"{'P':>7} {'streamed ms':>12} {'held ms':>9} {'streamed / held':>16} {'held Glogit/s':>14}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for p in RECORD_P:
+        q = (torch.randn(n, p, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+        grad = torch.empty(n, p, device="cuda", dtype=torch.float8_e5m2)
+        tpos = torch.randint(0, p, (n, 4), device="cuda", generator=g, dtype=torch.int32)
+        tw = torch.tensor([1.0, 0.5, 0.25, 0.25], device="cuda")
+        loss = torch.empty(n, device="cuda")
+        ms = {}
+        for hold in (False, True):
+            def step(hold=hold):
+                softcap_ce_rows(q, 0.25, grad, 1e3, tpos, tw, loss, cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT,
+                                width=SOFTCAP_WIDTH, hold=hold)
+            ms[hold], _ = measure(step, [], warmup, iters)
+        print(f"{p:>7} {ms[False]:>12.3f} {ms[True]:>9.3f} {ms[False] / ms[True]:>15.2f}x "
+              f"{n * p / (ms[True] * 1e-3) / 1e9:>14.0f}")
 
 
 def block_sweep(n: int, iters: int) -> None:

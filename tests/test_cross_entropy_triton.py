@@ -90,6 +90,50 @@ def test_row_kernel_extreme_logits_nan_free():
         assert torch.isfinite(loss).all() and torch.isfinite(grad.float()).all(), (dtype, big)
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_held_rows_equal_streamed_rows(dtype):
+    """``hold``: the row's gradient factors kept between the passes give the bits of the
+    streamed kernel, which reads the row again (P a multiple of the block, as every sampled P)."""
+    from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH, softcap_ce_rows_reference
+    from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    rows, block = 9, 64
+    for cols in (block, 5 * block):
+        logits = (torch.randn(rows, cols, generator=g) * 8).to(dtype)
+        scale = 0.25 if dtype == torch.float8_e4m3fn else 1.0
+        tpos = torch.randint(-1, cols, (rows, 4), generator=g, dtype=torch.int32)
+        tpos[1, :] = cols - 1  # every term of a row on its last column
+        tw = torch.rand(4, generator=g) + 0.1
+        got = {}
+        for hold in (True, False):
+            grad = torch.empty(rows, cols)
+            loss = torch.empty(rows)
+            softcap_ce_rows(logits, scale, grad, 1e-2, tpos, tw, loss, cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT,
+                            width=SOFTCAP_WIDTH, block_p=block, hold=hold)
+            got[hold] = (loss, grad)
+        assert torch.equal(got[True][0], got[False][0]), f"seed {seed}, {cols} columns: loss"
+        assert torch.equal(got[True][1], got[False][1]), f"seed {seed}, {cols} columns: gradient"
+        want_loss, want_grad = softcap_ce_rows_reference(logits, scale, tpos, tw, 1e-2)
+        torch.testing.assert_close(got[True][0], want_loss, rtol=1e-5, atol=1e-5)
+        assert rel(got[True][1], want_grad) < 1e-5, f"seed {seed}"
+
+
+@interp
+def test_hold_needs_whole_blocks():
+    from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
+    from nanogpt_pl.ops.triton.cross_entropy import HOLD_MAX_BLOCKS, softcap_ce_rows
+
+    tpos = torch.zeros(2, 1, dtype=torch.int32)
+    for cols in (100, 64 * (HOLD_MAX_BLOCKS + 1)):
+        logits = torch.randn(2, cols)
+        with pytest.raises(ValueError, match="hold=True"):
+            softcap_ce_rows(logits, 1.0, logits.clone(), 1.0, tpos, torch.ones(1), torch.empty(2),
+                            cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH, block_p=64, hold=True)
+
+
 def _problem(seed, n=72, d=16, v=320):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g)

@@ -1,7 +1,7 @@
 """Triton kernel: softcapped cross-entropy loss and logit gradient for a chunk of rows.
 
 One program handles one row of a ``[R, P]`` logit chunk (``P`` = the vocabulary or the
-sampled candidate count; a runtime argument, so changing it never recompiles). It
+sampled candidate count). It
 
 1. applies the softcap ``z = A·σ((ℓ + B)/C)`` to every logit,
 2. forms the log-sum-exp with the fixed maximum ``A`` the softcap allows:
@@ -17,9 +17,13 @@ The logits may be bf16/fp16/fp32 or float8_e4m3fn bytes with a dequantization fa
 (the FP8 lm_head of RECORD §7 writes raw logits saturating at ±448). The plain PyTorch
 twin of this kernel is ``nanogpt_pl.ops.cross_entropy.softcap_ce_rows_reference``.
 
-The kernel reads each logit twice (the sum needs the whole row before any gradient can
-be formed) and writes each gradient once; the two reads of one row are close in time,
-so the second mostly hits L2.
+The sum needs the whole row before any gradient can be formed, so the kernel makes two
+passes over the row. It is bound by instructions, not memory (the softcap and the softmax
+take three MUFU operations a logit), so where the row fits (``hold``: every sampled P)
+the first pass keeps each column's factor ``exp(z − A)·σ(1 − σ)`` in registers and the
+second only scales and stores it; P is then a compile-time block count (one compile per
+sampled P). Elsewhere (the full vocabulary) the second pass reads the logits again (mostly
+from L2) and recomputes the factor with the same operations, so both ways give the same bits.
 """
 
 from __future__ import annotations
@@ -34,6 +38,27 @@ import triton.language as tl
 # `benchmarks/lm_head_loss.py --block-sweep` times the alternatives.
 DEFAULT_BLOCK_P = 2048
 DEFAULT_NUM_WARPS = 8
+# Rows of at most this many blocks keep their gradient factors in registers between the passes
+# (``hold``): 12 x 2048 = 24,576 is the largest sampled P (RECORD §6). Compiled for sm_90 by
+# triton 3.6, 40 held values a thread take 64 registers (P = 10,240 at 8 warps) and 48 take
+# 128 (24,576 at 16 warps); 96 a thread (24,576 at 8 warps) spill, so the default warp count
+# doubles until a thread holds at most HOLD_PER_THREAD values.
+HOLD_MAX_BLOCKS = 12
+HOLD_PER_THREAD = 48
+
+
+@triton.jit
+def _softcap_terms(ell, logit_scale, CAP: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
+    """(exp(z − CAP), σ(1−σ)) of raw logits: z = CAP·σ(a), a = (ℓ·logit_scale + SHIFT)/WIDTH.
+
+    σ is formed from exp(−|a|), so it stays exact at both tails and finite for any input, ±inf
+    included; σ(1−σ) = e·r² avoids the cancellation of 1 − σ near σ = 1.
+    """
+    a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
+    e = tl.exp(-tl.abs(a))
+    r = 1.0 / (1.0 + e)
+    s = tl.where(a >= 0, r, e * r)
+    return tl.exp(CAP * s - CAP), e * r * r
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -57,6 +82,7 @@ def _softcap_ce_rows_kernel(
     BLOCK_P: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     CLAMP_GRAD: tl.constexpr,
+    HELD: tl.constexpr,
 ):
     # int64: a chunk of 49,152 rows x 50,304 columns has more elements than int32 holds.
     row = tl.program_id(0).to(tl.int64)
@@ -77,18 +103,25 @@ def _softcap_ce_rows_kernel(
     s_t = tl.where(a_t >= 0, r_t, e_t * r_t)
     z_t = CAP * s_t
 
-    # Pass 1: Σ exp(z − CAP). σ is formed from exp(−|a|) so it stays exact at both tails
-    # and finite for any input, ±inf included.
+    # Pass 1: Σ exp(z − CAP). With HELD blocks (P = HELD·BLOCK_P) each column's gradient
+    # factor exp(z − CAP)·σ(1−σ) is kept in registers for pass 2; else pass 2 reads the row
+    # again and recomputes it (three MUFU operations a logit: the kernel is instruction-bound).
     acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for start in range(0, P, BLOCK_P):
-        c = start + cols
-        m = c < P
-        ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-        a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
-        e = tl.exp(-tl.abs(a))
-        r = 1.0 / (1.0 + e)
-        s = tl.where(a >= 0, r, e * r)
-        acc += tl.where(m, tl.exp(CAP * s - CAP), 0.0)
+    held = ()
+    if HELD > 0:
+        for b in tl.static_range(HELD):
+            ell = tl.load(row_logits + b * BLOCK_P + cols).to(tl.float32)
+            t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+            acc += t
+            if WRITE_GRAD:
+                held = held + (t * ds,)
+    else:
+        for start in range(0, P, BLOCK_P):
+            c = start + cols
+            m = c < P
+            ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
+            t, _ = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+            acc += tl.where(m, t, 0.0)
     total = tl.sum(acc, axis=0)
     lse = CAP + tl.log(total)
     s_w = tl.sum(tw_live, axis=0)
@@ -103,20 +136,24 @@ def _softcap_ce_rows_kernel(
         # Pass 2 writes the softmax part, coef·σ(1−σ)·S_w·p, to every column; the columns
         # that are some term's target are rewritten after it (a handful per row, where a
         # per-column match against every term would cost 3·TERMS operations per logit).
-        coef_sw = coef * s_w
-        for start in range(0, P, BLOCK_P):
-            c = start + cols
-            m = c < P
-            ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-            a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
-            e = tl.exp(-tl.abs(a))
-            r = 1.0 / (1.0 + e)
-            s = tl.where(a >= 0, r, e * r)
-            ds = e * r * r  # σ(1−σ) without the cancellation of 1 − σ near σ = 1
-            g = coef_sw * ds * (tl.exp(CAP * s - CAP) * inv_total)
-            if CLAMP_GRAD:
-                g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
-            tl.store(row_grad + c, g.to(row_grad.dtype.element_ty), mask=m)
+        # Both branches form (coef·S_w/Σ)·(exp(z − CAP)·σ(1−σ)) with the same operations.
+        k = coef * s_w * inv_total
+        if HELD > 0:
+            for b in tl.static_range(HELD):
+                g = k * held[b]
+                if CLAMP_GRAD:
+                    g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
+                tl.store(row_grad + b * BLOCK_P + cols, g.to(row_grad.dtype.element_ty))
+        else:
+            for start in range(0, P, BLOCK_P):
+                c = start + cols
+                m = c < P
+                ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
+                t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+                g = k * (t * ds)
+                if CLAMP_GRAD:
+                    g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
+                tl.store(row_grad + c, g.to(row_grad.dtype.element_ty), mask=m)
         # Target columns: the same formula with the weights of every term on that column
         # subtracted. The barrier orders these stores after pass 2's stores of the same
         # columns by other threads of the program.
@@ -144,6 +181,7 @@ def softcap_ce_rows(
     width: float,
     block_p: int | None = None,
     num_warps: int | None = None,
+    hold: bool | None = None,
 ) -> None:
     """Launch the fused softcap + LSE + loss + logit-gradient kernel on a chunk of rows.
 
@@ -159,7 +197,12 @@ def softcap_ce_rows(
         loss_out: ``[R]`` fp32, receives each row's weighted loss ``Σ_k w_k (LSE − z_target_k)``.
         cap, shift, width: the softcap constants ``z = cap·σ((ℓ + shift)/width)``.
         block_p: columns per inner-loop step (a power of two); defaults to ``DEFAULT_BLOCK_P``.
-        num_warps: warps per program; defaults to ``DEFAULT_NUM_WARPS``.
+        num_warps: warps per program; defaults to ``DEFAULT_NUM_WARPS``, doubled for held rows
+            until a thread holds at most ``HOLD_PER_THREAD`` values.
+        hold: keep each column's gradient factor in registers between the two passes instead of
+            reading the row again and recomputing it. Needs ``P`` a multiple of ``block_p`` and at
+            most ``HOLD_MAX_BLOCKS`` blocks; ``None`` holds wherever that is so and a gradient is
+            written (every sampled P of RECORD §6; the full 50,304 streams).
     """
     R, P = logits.shape
     terms = tpos.shape[1]
@@ -176,10 +219,20 @@ def softcap_ce_rows(
     clamp = grad.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
     grad_max = float(torch.finfo(grad.dtype).max) if clamp else 0.0
     block = block_p or min(DEFAULT_BLOCK_P, triton.next_power_of_2(P))
+    can_hold = P % block == 0 and P // block <= HOLD_MAX_BLOCKS
+    if hold and not can_hold:
+        raise ValueError(f"softcap_ce_rows(hold=True): P = {P} is not a multiple of block_p = {block} "
+                         f"with at most {HOLD_MAX_BLOCKS} blocks")
+    if hold is None:
+        hold = can_hold and write_grad
+    held = P // block if hold else 0
+    warps = num_warps or DEFAULT_NUM_WARPS
+    while num_warps is None and held * block > HOLD_PER_THREAD * 32 * warps:
+        warps *= 2  # held values past HOLD_PER_THREAD a thread spill (triton 3.6, sm_90)
     _softcap_ce_rows_kernel[(R,)](
         logits, logits.stride(0), grad, grad.stride(0), tpos, tpos.stride(0),
         term_weights, loss_out, P, float(logit_scale), float(grad_scale), grad_max,
         CAP=cap, SHIFT=shift, WIDTH=width, TERMS=terms, BLOCK_P=block,
-        WRITE_GRAD=write_grad, CLAMP_GRAD=clamp,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        WRITE_GRAD=write_grad, CLAMP_GRAD=clamp, HELD=held,
+        num_warps=warps,
     )
