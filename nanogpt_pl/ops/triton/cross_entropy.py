@@ -18,12 +18,13 @@ The logits may be bf16/fp16/fp32 or float8_e4m3fn bytes with a dequantization fa
 twin of this kernel is ``nanogpt_pl.ops.cross_entropy.softcap_ce_rows_reference``.
 
 The sum needs the whole row before any gradient can be formed, so the kernel makes two
-passes over the row. It is bound by instructions, not memory (the softcap and the softmax
-take three MUFU operations a logit), so where the row fits (``hold``: every sampled P)
-the first pass keeps each column's factor ``exp(z − A)·σ(1 − σ)`` in registers and the
-second only scales and stores it; P is then a compile-time block count (one compile per
-sampled P). Elsewhere (the full vocabulary) the second pass reads the logits again (mostly
-from L2) and recomputes the factor with the same operations, so both ways give the same bits.
+passes over the row. It runs far below the copy bandwidth (0.75 TB/s at stage 1 on an H100):
+its instructions bound it (about 28 a logit a pass, three of them MUFU operations). Where
+the row fits (``hold``: every sampled P) the first pass can keep each column's factor
+``exp(z − A)·σ(1 − σ)`` in registers and the second only scales and stores it; P is then a
+compile-time block count (one compile per sampled P). Elsewhere (the full vocabulary) the
+second pass reads the logits again (mostly from L2) and recomputes the factor with the same
+operations, so both ways give the same bits.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ DEFAULT_NUM_WARPS = 8
 # doubles until a thread holds at most HOLD_PER_THREAD values.
 HOLD_MAX_BLOCKS = 12
 HOLD_PER_THREAD = 48
+# ``hold=None`` holds only where this is on. Off until the held kernel has run on a GPU
+# (tests/test_cross_entropy_gpu.py compares it with the streamed one bit for bit at the sampled P,
+# ``benchmarks/lm_head_loss.py --hold`` times both); it has been run under the interpreter and
+# compiled for sm_90 only.
+HOLD_BY_DEFAULT = False
 
 
 @triton.jit
@@ -202,7 +208,7 @@ def softcap_ce_rows(
         hold: keep each column's gradient factor in registers between the two passes instead of
             reading the row again and recomputing it. Needs ``P`` a multiple of ``block_p`` and at
             most ``HOLD_MAX_BLOCKS`` blocks; ``None`` holds wherever that is so and a gradient is
-            written (every sampled P of RECORD §6; the full 50,304 streams).
+            written (every sampled P of RECORD §6; the full 50,304 streams), if ``HOLD_BY_DEFAULT``.
     """
     R, P = logits.shape
     terms = tpos.shape[1]
@@ -224,7 +230,7 @@ def softcap_ce_rows(
         raise ValueError(f"softcap_ce_rows(hold=True): P = {P} is not a multiple of block_p = {block} "
                          f"with at most {HOLD_MAX_BLOCKS} blocks")
     if hold is None:
-        hold = can_hold and write_grad
+        hold = HOLD_BY_DEFAULT and can_hold and write_grad
     held = P // block if hold else 0
     warps = num_warps or DEFAULT_NUM_WARPS
     while num_warps is None and held * block > HOLD_PER_THREAD * 32 * warps:
