@@ -77,7 +77,9 @@ class Backends:
             ``reference`` (quantize, dequantize, fp32 matmul) or ``scaled_mm`` (CUDA, sm_89+).
         loss: the softcapped (sampled) cross-entropy of training (``nanogpt_pl.ops.cross_entropy``):
             ``auto`` (``triton`` on CUDA, ``chunked`` elsewhere), ``reference`` (autograd on fp32
-            logits), ``chunked`` (the fused algorithm in PyTorch) or ``triton``.
+            logits), ``chunked`` (the fused algorithm in PyTorch), ``triton`` or ``triton_held``
+            (the Triton kernel keeping a sampled row's gradient factors in registers between its
+            two passes: the same bits, not yet timed on a GPU).
         polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
             ``triton``.
         anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay

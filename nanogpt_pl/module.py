@@ -393,11 +393,11 @@ class SpeedrunModule(L.LightningModule):
                     "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
                     "use model.backends.fp8: reference on CPU"
                 )
-            if self.backends.loss == "triton":
+            if self.backends.loss in ("triton", "triton_held"):
                 if not interpret_mode():
                     raise RuntimeError(
-                        "model.backends.loss='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for debugging); "
-                        "use model.backends.loss: auto or reference on CPU"
+                        f"model.backends.loss={self.backends.loss!r} needs a CUDA GPU (or TRITON_INTERPRET=1 for "
+                        "debugging); use model.backends.loss: auto or reference on CPU"
                     )
 
     @property

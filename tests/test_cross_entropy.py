@@ -242,16 +242,25 @@ def test_missing_target_and_bad_inputs_raise():
     with pytest.raises(ValueError, match="unknown backend"):
         lm_head_loss(x, w, t, backend="cuda")
     # One line naming the config option and every valid choice; the plain path is "reference".
-    with pytest.raises(ValueError, match=r"model\.backends\.loss .* auto, reference, chunked, triton$"):
+    with pytest.raises(ValueError, match=r"model\.backends\.loss .* auto, reference, chunked, triton, triton_held$"):
         lm_head_loss(x, w, t, backend="torch")
     with pytest.raises(ValueError, match="same D"):
         lm_head_loss(x[:, :5], w, t)
     with pytest.raises(ValueError, match="mtp_weights"):
         lm_head_loss(x, w, t, mtp_weights=())
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            lm_head_loss(x, w, t, backend="triton")
+        for backend in ("triton", "triton_held"):
+            with pytest.raises(RuntimeError, match=f"backend='{backend}' needs a CUDA device.*TRITON_INTERPRET"):
+                lm_head_loss(x, w, t, backend=backend)
 
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs Triton on the CPU")
+@pytest.mark.parametrize("backend", ["triton", "triton_held"])
+def test_module_rejects_a_triton_loss_on_cpu_in_one_line(backend):
+    module = SpeedrunModule(backends=Backends(loss=backend))
+    with pytest.raises(RuntimeError, match=rf"^model\.backends\.loss='{backend}' needs a CUDA GPU .* auto or"):
+        module._check_device_options(torch.device("cpu"))
 
 
 def test_module_rejects_an_unknown_loss_backend_at_construction():

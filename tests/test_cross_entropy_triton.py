@@ -28,6 +28,21 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+class _HeldSpy:
+    """Stands in for the row kernel and records each launch's HELD (blocks held in registers)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.held = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.held.append(kwargs["HELD"])
+            return launch(*args, **kwargs)
+        return run
+
+
 def _kernel(logits, scale, grad, grad_scale, tpos, tw, block_p):
     from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
     from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
@@ -92,11 +107,15 @@ def test_row_kernel_extreme_logits_nan_free():
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_held_rows_equal_streamed_rows(dtype):
+def test_held_rows_equal_streamed_rows(dtype, monkeypatch):
     """``hold``: the row's gradient factors kept between the passes give the bits of the
     streamed kernel, which reads the row again (P a multiple of the block, as every sampled P)."""
     from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH, softcap_ce_rows_reference
+    from nanogpt_pl.ops.triton import cross_entropy as tk
     from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
+
+    spy = _HeldSpy(tk._softcap_ce_rows_kernel)
+    monkeypatch.setattr(tk, "_softcap_ce_rows_kernel", spy)
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator().manual_seed(seed)
@@ -114,6 +133,7 @@ def test_held_rows_equal_streamed_rows(dtype):
             softcap_ce_rows(logits, scale, grad, 1e-2, tpos, tw, loss, cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT,
                             width=SOFTCAP_WIDTH, block_p=block, hold=hold)
             got[hold] = (loss, grad)
+        assert spy.held[-2:] == [cols // block, 0]  # held, then streamed
         assert torch.equal(got[True][0], got[False][0]), f"seed {seed}, {cols} columns: loss"
         assert torch.equal(got[True][1], got[False][1]), f"seed {seed}, {cols} columns: gradient"
         want_loss, want_grad = softcap_ce_rows_reference(logits, scale, tpos, tw, 1e-2)
@@ -122,16 +142,22 @@ def test_held_rows_equal_streamed_rows(dtype):
 
 
 @interp
-def test_hold_needs_whole_blocks():
+def test_hold_streams_rows_that_do_not_fit():
+    """``hold=True`` where a row is not whole blocks, or has too many, streams it: the same bits."""
     from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
     from nanogpt_pl.ops.triton.cross_entropy import HOLD_MAX_BLOCKS, softcap_ce_rows
 
-    tpos = torch.zeros(2, 1, dtype=torch.int32)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     for cols in (100, 64 * (HOLD_MAX_BLOCKS + 1)):
-        logits = torch.randn(2, cols)
-        with pytest.raises(ValueError, match="hold=True"):
-            softcap_ce_rows(logits, 1.0, logits.clone(), 1.0, tpos, torch.ones(1), torch.empty(2),
-                            cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH, block_p=64, hold=True)
+        logits = torch.randn(3, cols, generator=g) * 8
+        tpos = torch.randint(-1, cols, (3, 2), generator=g, dtype=torch.int32)
+        got = []
+        for hold in (True, False):
+            grad, loss = torch.empty(3, cols), torch.empty(3)
+            softcap_ce_rows(logits, 1.0, grad, 1.0, tpos, torch.tensor([1.0, 0.5]), loss, cap=SOFTCAP_MAX,
+                            shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH, block_p=64, hold=hold)
+            got.append((loss, grad))
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), cols
 
 
 def _problem(seed, n=72, d=16, v=320):
@@ -182,3 +208,25 @@ def test_lm_head_loss_triton_bf16_and_switching_p():
         got = _loss_grads(x.bfloat16(), w.bfloat16(), t, backend="triton", chunk_rows=40, **kw)
         assert abs(got[0].item() - ref[0].item()) < 1e-3 * ref[0].item()
         assert rel(got[1], ref[1]) < 2e-2 and rel(got[2], ref[2]) < 2e-2
+
+
+@interp
+def test_lm_head_loss_triton_held_equals_triton(monkeypatch):
+    """``model.backends.loss: triton_held`` against ``triton``: the same bits for a sampled P that
+    the kernel holds (256 = one block) and for the full vocabulary, which it streams."""
+    from nanogpt_pl.ops.sampling import CandidateSampler
+    from nanogpt_pl.ops.triton import cross_entropy as tk
+
+    spy = _HeldSpy(tk._softcap_ce_rows_kernel)
+    monkeypatch.setattr(tk, "_softcap_ce_rows_kernel", spy)
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    x, w, t, pf = _problem(seed % 1000, v=384)
+    kw = dict(mtp_weights=(1.0, 0.5, 0.25), prefix_targets=pf, prefix_weight=0.25, chunk_rows=32)
+    for cand in (CandidateSampler(384, multiple=64).build(t, 256), None):
+        spy.held.clear()
+        held = _loss_grads(x, w, t, candidates=cand, backend="triton_held", **kw)
+        assert set(spy.held) == ({1} if cand is not None else {0}), spy.held  # every chunk
+        streamed = _loss_grads(x, w, t, candidates=cand, backend="triton", **kw)
+        for name, a, b in zip(("loss", "d hidden", "d weight"), held, streamed):
+            assert torch.equal(a, b), f"seed {seed}, candidates {cand is not None}: {name}"

@@ -12,8 +12,9 @@ Pieces, each with a plain PyTorch reference next to the fast path:
 - :func:`softcap` — ``z = 23·σ((ℓ + 5)/7.5)`` (RECORD §2), which equals
   ``11.5·(1 + tanh((ℓ + 5)/15))``: a tanh softcap shifted by 5 and lifted into ``(0, 23)``.
 - :func:`lm_head_loss` — the training loss, backends ``"reference"`` (autograd on fp32
-  logits), ``"chunked"`` (the fused algorithm with the row math in PyTorch, any device) and
-  ``"triton"`` (the fused algorithm with the Triton row kernel).
+  logits), ``"chunked"`` (the fused algorithm with the row math in PyTorch, any device),
+  ``"triton"`` (the fused algorithm with the Triton row kernel) and ``"triton_held"`` (the same,
+  the kernel keeping a sampled row's gradient factors in registers between its passes).
 - :func:`softcap_ce_rows_reference` — the PyTorch twin of the Triton row kernel.
 - :func:`full_cross_entropy` — validation loss, full vocabulary, row-chunked.
 
@@ -50,7 +51,7 @@ SOFTCAP_SHIFT = 5.0
 SOFTCAP_WIDTH = 7.5
 
 # The choices of `model.backends.loss`; "reference" is the plain-PyTorch path.
-BACKENDS = ("auto", "reference", "chunked", "triton")
+BACKENDS = ("auto", "reference", "chunked", "triton", "triton_held")
 
 _DEFAULT_HEAD = TorchHeadMatmul()
 
@@ -124,11 +125,16 @@ def _torch_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_
         grad.copy_(g)
 
 
-def _triton_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out) -> None:
+def _triton_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out, hold: bool = False) -> None:
     from .triton.cross_entropy import softcap_ce_rows  # imports triton: the fast path only
 
     softcap_ce_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out,
-                    cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH)
+                    cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH, hold=hold)
+
+
+def _triton_held_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out) -> None:
+    """The ``"triton_held"`` backend: rows that fit keep their gradient factors in registers."""
+    _triton_rows(logits, logit_scale, grad, grad_scale, tpos, term_weights, loss_out, hold=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,7 +337,9 @@ def lm_head_loss(
         backend: ``"reference"`` (plain PyTorch autograd, fp32 softmax over the gathered
             logits; memory grows with N·P), ``"chunked"`` (the fused algorithm, row math in
             PyTorch; any device), ``"triton"`` (the fused Triton kernel; CUDA, or the CPU
-            interpreter with ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, chunked
+            interpreter with ``TRITON_INTERPRET=1``), ``"triton_held"`` (the same kernel keeping
+            a sampled row's gradient factors in registers between its two passes; the same bits,
+            not yet timed on a GPU), ``"auto"`` (triton on CUDA, chunked
             otherwise: on a CPU the chunked path's cache-sized chunks ran the quickstart's step
             1.12x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
         head: how the fused path runs its GEMMs (:class:`HeadMatmul`); default
@@ -373,13 +381,13 @@ def lm_head_loss(
     if backend == "reference":
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
-    if backend == "triton":
+    if backend in ("triton", "triton_held"):
         if not hidden.is_cuda and not interpret_mode():
             raise RuntimeError(
-                "lm_head_loss: backend='triton' needs a CUDA device (hidden is on "
+                f"lm_head_loss: backend={backend!r} needs a CUDA device (hidden is on "
                 f"{hidden.device}); use backend='reference' or 'chunked' on the CPU, or set "
                 "TRITON_INTERPRET=1 before importing triton to run the kernel in the interpreter")
-        rows_fn: Callable = _triton_rows
+        rows_fn: Callable = _triton_held_rows if backend == "triton_held" else _triton_rows
     else:
         rows_fn = _torch_rows
     return _fused_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,

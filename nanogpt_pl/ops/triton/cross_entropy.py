@@ -46,11 +46,6 @@ DEFAULT_NUM_WARPS = 8
 # doubles until a thread holds at most HOLD_PER_THREAD values.
 HOLD_MAX_BLOCKS = 12
 HOLD_PER_THREAD = 48
-# ``hold=None`` holds only where this is on. Off until the held kernel has run on a GPU
-# (tests/test_cross_entropy_gpu.py compares it with the streamed one bit for bit at the sampled P,
-# ``benchmarks/lm_head_loss.py --hold`` times both); it has been run under the interpreter and
-# compiled for sm_90 only.
-HOLD_BY_DEFAULT = False
 
 
 @triton.jit
@@ -187,7 +182,7 @@ def softcap_ce_rows(
     width: float,
     block_p: int | None = None,
     num_warps: int | None = None,
-    hold: bool | None = None,
+    hold: bool = False,
 ) -> None:
     """Launch the fused softcap + LSE + loss + logit-gradient kernel on a chunk of rows.
 
@@ -206,9 +201,10 @@ def softcap_ce_rows(
         num_warps: warps per program; defaults to ``DEFAULT_NUM_WARPS``, doubled for held rows
             until a thread holds at most ``HOLD_PER_THREAD`` values.
         hold: keep each column's gradient factor in registers between the two passes instead of
-            reading the row again and recomputing it. Needs ``P`` a multiple of ``block_p`` and at
-            most ``HOLD_MAX_BLOCKS`` blocks; ``None`` holds wherever that is so and a gradient is
-            written (every sampled P of RECORD §6; the full 50,304 streams), if ``HOLD_BY_DEFAULT``.
+            reading the row again and recomputing it, where the row fits: ``P`` a multiple of
+            ``block_p`` with at most ``HOLD_MAX_BLOCKS`` blocks (every sampled P of RECORD §6) and a
+            gradient written. Other rows (the full 50,304) stream. ``model.backends.loss:
+            triton_held`` turns it on in training.
     """
     R, P = logits.shape
     terms = tpos.shape[1]
@@ -225,13 +221,8 @@ def softcap_ce_rows(
     clamp = grad.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
     grad_max = float(torch.finfo(grad.dtype).max) if clamp else 0.0
     block = block_p or min(DEFAULT_BLOCK_P, triton.next_power_of_2(P))
-    can_hold = P % block == 0 and P // block <= HOLD_MAX_BLOCKS
-    if hold and not can_hold:
-        raise ValueError(f"softcap_ce_rows(hold=True): P = {P} is not a multiple of block_p = {block} "
-                         f"with at most {HOLD_MAX_BLOCKS} blocks")
-    if hold is None:
-        hold = HOLD_BY_DEFAULT and can_hold and write_grad
-    held = P // block if hold else 0
+    fits = P % block == 0 and P // block <= HOLD_MAX_BLOCKS
+    held = P // block if hold and fits and write_grad else 0
     warps = num_warps or DEFAULT_NUM_WARPS
     while num_warps is None and held * block > HOLD_PER_THREAD * 32 * warps:
         warps *= 2  # held values past HOLD_PER_THREAD a thread spill (triton 3.6, sm_90)
