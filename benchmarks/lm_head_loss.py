@@ -189,8 +189,8 @@ def main() -> None:
 def hold_compare(n: int, warmup: int, iters: int) -> None:
     """The row kernel alone on one micro-batch's sampled logits, as the FP8 head hands them over
     (e4m3 logits in, e5m2 gradients out, RECORD §7): the row's gradient factors held in registers
-    between the two passes (``hold``, the default at every sampled P) against the streamed kernel
-    that reads the row again, both in the same run."""
+    between the two passes (``hold``, ``model.backends.loss: triton_held``) against the streamed
+    kernel that reads the row again (``triton``, the default), both in the same run."""
     from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
     from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
 

@@ -39,7 +39,7 @@ from .distributed.strategy import SpeedrunStrategy
 from .metrics import BitsPerByte, MeanTokenLoss
 from .model.attention import resolve_backend
 from .model.gpt import GPT, GPTConfig
-from .ops.cross_entropy import check_backend, full_cross_entropy, lm_head_loss
+from .ops.cross_entropy import TRITON_BACKENDS, check_backend, full_cross_entropy, lm_head_loss
 from .ops.sampling import CandidateSampler
 from .ops.triton import interpret_mode
 from .optim.adam import DistAdam
@@ -393,7 +393,7 @@ class SpeedrunModule(L.LightningModule):
                     "model.backends.fp8='scaled_mm' needs a CUDA GPU with FP8 (sm_89+); "
                     "use model.backends.fp8: reference on CPU"
                 )
-            if self.backends.loss in ("triton", "triton_held"):
+            if self.backends.loss in TRITON_BACKENDS:
                 if not interpret_mode():
                     raise RuntimeError(
                         f"model.backends.loss={self.backends.loss!r} needs a CUDA GPU (or TRITON_INTERPRET=1 for "

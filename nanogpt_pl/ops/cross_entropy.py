@@ -37,6 +37,7 @@ __all__ = [
     "SOFTCAP_SHIFT",
     "SOFTCAP_WIDTH",
     "BACKENDS",
+    "TRITON_BACKENDS",
     "check_backend",
     "softcap",
     "softcap_ce_rows_reference",
@@ -52,6 +53,8 @@ SOFTCAP_WIDTH = 7.5
 
 # The choices of `model.backends.loss`; "reference" is the plain-PyTorch path.
 BACKENDS = ("auto", "reference", "chunked", "triton", "triton_held")
+# The choices that run the Triton row kernel (CUDA, or the interpreter on the CPU).
+TRITON_BACKENDS = ("triton", "triton_held")
 
 _DEFAULT_HEAD = TorchHeadMatmul()
 
@@ -381,7 +384,7 @@ def lm_head_loss(
     if backend == "reference":
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
-    if backend in ("triton", "triton_held"):
+    if backend in TRITON_BACKENDS:
         if not hidden.is_cuda and not interpret_mode():
             raise RuntimeError(
                 f"lm_head_loss: backend={backend!r} needs a CUDA device (hidden is on "

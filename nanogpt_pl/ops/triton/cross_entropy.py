@@ -50,16 +50,25 @@ HOLD_PER_THREAD = 48
 
 @triton.jit
 def _softcap_terms(ell, logit_scale, CAP: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
-    """(exp(z − CAP), σ(1−σ)) of raw logits: z = CAP·σ(a), a = (ℓ·logit_scale + SHIFT)/WIDTH.
+    """(σ, exp(z − CAP), σ(1−σ)) of raw logits: z = CAP·σ(a), a = (ℓ·logit_scale + SHIFT)/WIDTH.
 
     σ is formed from exp(−|a|), so it stays exact at both tails and finite for any input, ±inf
-    included; σ(1−σ) = e·r² avoids the cancellation of 1 − σ near σ = 1.
+    included; σ(1−σ) = e·r² avoids the cancellation of 1 − σ near σ = 1. What a caller does not
+    use is not computed (the compiler drops it).
     """
     a = (ell * logit_scale + SHIFT) * (1.0 / WIDTH)
     e = tl.exp(-tl.abs(a))
     r = 1.0 / (1.0 + e)
     s = tl.where(a >= 0, r, e * r)
-    return tl.exp(CAP * s - CAP), e * r * r
+    return s, tl.exp(CAP * s - CAP), e * r * r
+
+
+@triton.jit
+def _store_grad(ptrs, g, grad_max, mask, CLAMP_GRAD: tl.constexpr):
+    """Store fp32 gradients in the buffer's dtype, saturated at ±grad_max for an fp8 buffer."""
+    if CLAMP_GRAD:
+        g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
+    tl.store(ptrs, g.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -98,10 +107,7 @@ def _softcap_ce_rows_kernel(
     live = tpos >= 0
     tw_live = tl.where(live, tw, 0.0)
     l_t = tl.load(row_logits + tl.where(live, tpos, 0), mask=live, other=0.0).to(tl.float32)
-    a_t = (l_t * logit_scale + SHIFT) * (1.0 / WIDTH)
-    e_t = tl.exp(-tl.abs(a_t))
-    r_t = 1.0 / (1.0 + e_t)
-    s_t = tl.where(a_t >= 0, r_t, e_t * r_t)
+    s_t, t_t, ds_t = _softcap_terms(l_t, logit_scale, CAP, SHIFT, WIDTH)
     z_t = CAP * s_t
 
     # Pass 1: Σ exp(z − CAP). With HELD blocks (P = HELD·BLOCK_P) each column's gradient
@@ -112,7 +118,7 @@ def _softcap_ce_rows_kernel(
     if HELD > 0:
         for b in tl.static_range(HELD):
             ell = tl.load(row_logits + b * BLOCK_P + cols).to(tl.float32)
-            t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+            _, t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
             acc += t
             if WRITE_GRAD:
                 held = held + (t * ds,)
@@ -121,7 +127,7 @@ def _softcap_ce_rows_kernel(
             c = start + cols
             m = c < P
             ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-            t, _ = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+            _, t, _ = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
             acc += tl.where(m, t, 0.0)
     total = tl.sum(acc, axis=0)
     lse = CAP + tl.log(total)
@@ -141,31 +147,22 @@ def _softcap_ce_rows_kernel(
         k = coef * s_w * inv_total
         if HELD > 0:
             for b in tl.static_range(HELD):
-                g = k * held[b]
-                if CLAMP_GRAD:
-                    g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
-                tl.store(row_grad + b * BLOCK_P + cols, g.to(row_grad.dtype.element_ty))
+                _store_grad(row_grad + b * BLOCK_P + cols, k * held[b], grad_max, None, CLAMP_GRAD)
         else:
             for start in range(0, P, BLOCK_P):
                 c = start + cols
                 m = c < P
                 ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-                t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
-                g = k * (t * ds)
-                if CLAMP_GRAD:
-                    g = tl.minimum(tl.maximum(g, -grad_max), grad_max)
-                tl.store(row_grad + c, g.to(row_grad.dtype.element_ty), mask=m)
+                _, t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+                _store_grad(row_grad + c, k * (t * ds), grad_max, m, CLAMP_GRAD)
         # Target columns: the same formula with the weights of every term on that column
         # subtracted. The barrier orders these stores after pass 2's stores of the same
         # columns by other threads of the program.
         tl.debug_barrier()
         same = (tpos[:, None] == tpos[None, :]) & live[None, :]
         hit_t = tl.sum(tl.where(same, tw_live[None, :], 0.0), axis=1)
-        p_t = tl.exp(CAP * s_t - CAP) * inv_total
-        g_t = coef * (e_t * r_t * r_t) * (s_w * p_t - hit_t)
-        if CLAMP_GRAD:
-            g_t = tl.minimum(tl.maximum(g_t, -grad_max), grad_max)
-        tl.store(row_grad + tl.where(live, tpos, 0), g_t.to(row_grad.dtype.element_ty), mask=live)
+        g_t = coef * ds_t * (s_w * (t_t * inv_total) - hit_t)
+        _store_grad(row_grad + tl.where(live, tpos, 0), g_t, grad_max, live, CLAMP_GRAD)
 
 
 def softcap_ce_rows(
