@@ -544,6 +544,7 @@ class Anvil(torch.optim.Optimizer):
             own = bank.storage if views and world == 1 else bank.buffer("own", bank.per_rank, bank.dtype, dev)
             if bank.owned:
                 self._run_local(bank, shard, own, scalars, copy_back=world == 1, views=views)
+                self._mark_written(bank, world == 1)
             if world == 1:
                 continue
             full = bank.storage if views else bank.buffer("gathered", bank.per_rank * world, bank.dtype, dev)
@@ -582,17 +583,16 @@ class Anvil(torch.optim.Optimizer):
 
     def _run_local(self, bank: _Bank, grad: Tensor, own: Tensor, scalars: Tensor, copy_back: bool,
                    views: bool) -> None:
-        """:meth:`_local_work`, eagerly or through the bank's CUDA graph (see ``cuda_graph``)."""
+        """:meth:`_local_work`, eagerly or through the bank's CUDA graph (see ``cuda_graph``); the
+        caller bumps the parameters' version counters after it (:meth:`_mark_written`)."""
         if not self.cuda_graph:
             self._local_work(bank, grad, own, scalars, copy_back, views)
-            self._mark_written(bank, copy_back)
             return
         # the graph bakes in every address it touches: recapture if any of them moved
         key = (grad.data_ptr(), own.data_ptr(), scalars.data_ptr(), copy_back, views, self.maps,
                tuple(p.data_ptr() for p, _, _ in bank.pieces))
         if bank.graph is not None and bank.graph_key == key:
             bank.graph.replay()
-            self._mark_written(bank, copy_back)
             return
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(device=self.device)
@@ -605,7 +605,6 @@ class Anvil(torch.optim.Optimizer):
                 self._local_work(bank, grad, own, scalars, copy_back, views)
             current.wait_stream(side)
             bank.warmed = True
-            self._mark_written(bank, copy_back)
             return
         graph = torch.cuda.CUDAGraph()
         try:
@@ -619,11 +618,9 @@ class Anvil(torch.optim.Optimizer):
             close_failed_capture()
             self.cuda_graph = False
             self._local_work(bank, grad, own, scalars, copy_back, views)
-            self._mark_written(bank, copy_back)
             return
         bank.graph, bank.graph_key = graph, key
         graph.replay()
-        self._mark_written(bank, copy_back)
 
     @staticmethod
     def _mark_written(bank: _Bank, wrote: bool) -> None:
