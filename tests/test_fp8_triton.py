@@ -168,37 +168,6 @@ def test_elementwise_epilogues_equal_reference(seed):
 
 
 @interp
-@pytest.mark.parametrize("shape", [(52, 72), (96, 256)])
-def test_dpre_transposed_as_words_equals_byte_transpose(shape):
-    """The dpre pass's "words" transpose (four rows' bytes packed in a 32-bit word, the words
-    transposed in the pass) gives the separate byte transpose's bytes, the same row-major bytes
-    and the same amax; tiles cut the edges and each program loops over several tiles."""
-    from seeds import fresh_seed
-
-    from nanogpt_pl.ops.triton.fp8_mlp import DPRE_TRANSPOSES, dpre_quantize
-
-    assert DPRE_TRANSPOSES == ("words", "bytes")
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    m, n = shape
-    dpl = (0.02 * torch.randn(m, n, generator=gen)).bfloat16()
-    post = (60 * torch.rand(m, n, generator=gen)).to(E4M3)
-    ps, inv_ds = torch.tensor(0.03), torch.tensor(4000.0)
-    a_bytes, a_words = torch.zeros(()), torch.zeros(())
-    brow, bt = dpre_quantize(dpl, post, ps, inv_ds, a_bytes, block=256, programs=3, transpose="bytes")
-    wrow, wt = dpre_quantize(dpl, post, ps, inv_ds, a_words, programs=3, transpose="words", tile=(16, 32))
-    assert wt.shape == (n, m) and wt.dtype == E5M2, seed
-    assert torch.equal(wrow.view(torch.uint8), brow.view(torch.uint8)), seed
-    assert torch.equal(wt.view(torch.uint8), bt.view(torch.uint8)), seed
-    assert torch.equal(wt.view(torch.uint8), wrow.view(torch.uint8).t()), seed
-    assert torch.equal(a_words, a_bytes), seed
-    with pytest.raises(ValueError, match="multiples of 4"):
-        dpre_quantize(dpl[:50], post[:50], ps, inv_ds, a_words, transpose="words")
-    with pytest.raises(ValueError, match="transpose must be one of"):
-        dpre_quantize(dpl, post, ps, inv_ds, a_words, transpose="rows")
-
-
-@interp
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("k", [64, 80])
 def test_fused_gemm_epilogues_equal_reference(seed, k):

@@ -45,15 +45,6 @@ _GPU_TILE = (32, 128)
 # one atomic) per 32 x 128 tile (BENCHMARKS.md "The amax atomics").
 _DPRE_BLOCK = 2048
 _PROGRAMS_PER_SM = 8
-# How dpre_quantize makes its transposed (token-contiguous) e5m2 copy:
-# - "bytes": a second kernel moves the row-major bytes (transpose_bytes);
-# - "words": the pass itself packs each column's bytes of four consecutive rows into one 32-bit
-#   word and stores the words transposed, so the tile is transposed as 32-bit values (the 8-bit
-#   transposed stores of this kernel wrote wrong bytes with triton 3.6: transpose_bytes).
-DPRE_TRANSPOSES = ("words", "bytes")
-DPRE_TRANSPOSE = "bytes"
-# The "words" pass's tile (rows a multiple of 4), a grid-stride loop of _PROGRAMS_PER_SM per SM.
-_DPRE_WORDS_TILE = (32, 128)
 # GEMM tiles for H100/H200 FP8 (K-major operands, wgmma): 3 stages of 32 KiB fit in
 # shared memory twice over, so two CTAs per SM overlap one's epilogue with the other's loads.
 GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
@@ -97,38 +88,6 @@ def _dpre_quantize_kernel(dpl_ptr, post_ptr, row_ptr, post_scale_ptr, inv_scale_
     tl.atomic_max(amax_ptr, tl.max(running, axis=0), sem="relaxed")
 
 
-@triton.jit
-def _dpre_quantize_words_kernel(dpl_ptr, post_ptr, row_ptr, words_ptr, post_scale_ptr, inv_scale_ptr, amax_ptr,
-                                m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The dpre pass over [BLOCK_M, BLOCK_N] tiles in a grid-stride loop, writing the row-major
-    # e5m2 bytes and the transposed copy as 32-bit words: word (c, i) of the [n, m / 4] int32 view
-    # holds column c's bytes of rows 4i .. 4i + 3, lowest address (row 4i) in the low byte.
-    post_scale = tl.load(post_scale_ptr)
-    inv_scale = tl.load(inv_scale_ptr)
-    shifts = 8 * tl.arange(0, 4)
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    running = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for tile in range(tl.program_id(0), tl.cdiv(m, BLOCK_M) * tiles_n, tl.num_programs(0)):
-        tile_m = tile // tiles_n
-        offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = (tile % tiles_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_m < m)[:, None] & (offs_n < n)[None, :]
-        idx = offs_m[:, None] * n + offs_n[None, :]
-        dpl = tl.load(dpl_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        dpre = 2.0 * dpl * tl.sqrt_rn(post * post_scale)
-        running = tl.maximum(running, tl.abs(dpre))
-        q = to_fp8(dpre * inv_scale, True)
-        tl.store(row_ptr + idx, q, mask=mask)
-        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (BLOCK_M // 4, 4, BLOCK_N))
-        words = tl.sum(b << shifts[None, :, None], axis=1)  # the four bytes occupy disjoint bits
-        offs_w = tile_m.to(tl.int64) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-        w_mask = (offs_n < n)[:, None] & (offs_w < m // 4)[None, :]
-        tl.store(words_ptr + offs_n[:, None] * (m // 4) + offs_w[None, :], tl.trans(words), mask=w_mask)
-    # relaxed: the amax is read by a later kernel, after this one has finished
-    tl.atomic_max(amax_ptr, tl.max(tl.max(running, axis=1), axis=0), sem="relaxed")
-
-
 def _programs(device: torch.device) -> int:
     """Programs for a grid-stride pass: _PROGRAMS_PER_SM per SM on a GPU, 3 elsewhere (the
     interpreter, where a few programs make every program loop)."""
@@ -164,8 +123,7 @@ def relu2_quantize(pre: torch.Tensor, inv_post_scale: torch.Tensor, post_amax: t
 
 def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tensor,
                   inv_dpre_scale: torch.Tensor, dpre_amax: torch.Tensor,
-                  block: int = _DPRE_BLOCK, programs: int | None = None, transpose: str | None = None,
-                  tile: tuple[int, int] = _DPRE_WORDS_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = _DPRE_BLOCK, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """2 * dpl * sqrt(post * post_scale) quantized to e5m2 (row-major and transposed).
 
     Args:
@@ -174,29 +132,12 @@ def dpre_quantize(dpl: torch.Tensor, post: torch.Tensor, post_scale: torch.Tenso
         post_scale: 1-element fp32 dequantization scale of ``post``.
         inv_dpre_scale: 1-element fp32, 1 / dpre_scale.
         dpre_amax: 1-element fp32 accumulator of max |dpre|, updated in place.
-        block: elements per loop step of a program (a power of two; the "bytes" pass).
-        programs: how many programs share the blocks or tiles; by default a few per SM.
-        transpose: how the transposed copy is made, one of ``DPRE_TRANSPOSES`` (default
-            ``DPRE_TRANSPOSE``); "words" needs M to be a multiple of 4.
-        tile: the "words" pass's (rows, columns) tile; rows a multiple of 4.
+        block: elements per loop step of a program (a power of two).
+        programs: how many programs share the blocks; by default a few per SM.
     """
     assert dpl.is_contiguous() and post.is_contiguous() and dpl.shape == post.shape
-    transpose = DPRE_TRANSPOSE if transpose is None else transpose
-    if transpose not in DPRE_TRANSPOSES:
-        raise ValueError(f"dpre_quantize: transpose must be one of {DPRE_TRANSPOSES}, got {transpose!r}")
     m, n = dpl.shape
     row = torch.empty((m, n), device=dpl.device, dtype=torch.float8_e5m2)
-    if transpose == "words":
-        if m % 4 or tile[0] % 4:
-            raise ValueError(f"dpre_quantize: the 'words' transpose packs 4 rows a word; {m} rows "
-                             f"and a {tile[0]}-row tile must be multiples of 4")
-        t = torch.empty((n, m), device=dpl.device, dtype=torch.float8_e5m2)
-        tiles = triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1])
-        grid = (max(1, min(programs or _programs(dpl.device), tiles)),)
-        _dpre_quantize_words_kernel[grid](dpl, post, row, t.view(torch.int32), post_scale, inv_dpre_scale,
-                                          dpre_amax, m, n, BLOCK_M=tile[0], BLOCK_N=tile[1],
-                                          num_warps=8 if tile[0] * tile[1] >= 128 * 128 else 4)
-        return row, t
     total = m * n
     assert total + block < 2**31, f"dpre_quantize: {m} x {n} elements overflow the kernel's int32 offsets"
     grid = (max(1, min(programs or _programs(dpl.device), triton.cdiv(total, block))),)
