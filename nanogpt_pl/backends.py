@@ -76,10 +76,11 @@ class Backends:
         fp8: the FP8 matmuls of the MLP, QKV and lm_head (``nanogpt_pl.ops.fp8``): ``auto``,
             ``reference`` (quantize, dequantize, fp32 matmul) or ``scaled_mm`` (CUDA, sm_89+).
         loss: the softcapped (sampled) cross-entropy of training (``nanogpt_pl.ops.cross_entropy``):
-            ``auto`` (``triton`` on CUDA, ``chunked`` elsewhere), ``reference`` (autograd on fp32
-            logits), ``chunked`` (the fused algorithm in PyTorch), ``triton`` or ``triton_held``
-            (the Triton kernel keeping a sampled row's gradient factors in registers between its
-            two passes: the same bits, not yet timed on a GPU).
+            ``auto`` (``triton_held`` on CUDA, ``chunked`` elsewhere), ``reference`` (autograd on
+            fp32 logits), ``chunked`` (the fused algorithm in PyTorch), ``triton`` (the Triton
+            kernel, reading a row twice) or ``triton_held`` (the Triton kernel keeping a sampled
+            row's gradient factors in registers between its two passes; the full vocabulary
+            streams).
         polar: ANVIL's polar cascade (``nanogpt_pl.optim.polar``): ``auto``, ``reference`` or
             ``triton``.
         anvil: ANVIL's elementwise update around the cascade (rails, lookahead, lanes, cautious decay

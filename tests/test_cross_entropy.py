@@ -118,6 +118,23 @@ def test_full_reference_and_chunked_match_oracle(case, seed):
         assert rel(got[2], want[2]) < 1e-5
 
 
+def test_auto_is_the_held_triton_kernel_on_cuda_and_chunked_elsewhere():
+    """``auto`` picks the held row kernel on CUDA (timed faster in the step on an H100,
+    BENCHMARKS.md session 11) and the chunked PyTorch path elsewhere."""
+    assert ce.auto_backend("cuda") == "triton_held" and ce.auto_backend(torch.device("cuda", 1)) == "triton_held"
+    assert ce.auto_backend("cpu") == "chunked" and ce.auto_backend("meta") == "chunked"
+    assert ce.auto_backend("cuda") in ce.TRITON_BACKENDS
+
+
+def test_held_launch_warps_keep_a_thread_at_48_held_values():
+    """8 warps, doubled while a thread would hold more than 48 factors: RECORD §6's sampled P of
+    10,240 / 14,336 / 24,576 (5, 7 and 12 blocks of 2,048) take 8 / 16 / 16 warps."""
+    from nanogpt_pl.ops.triton.cross_entropy import held_num_warps
+
+    assert [held_num_warps(b) for b in (0, 5, 6, 7, 12)] == [8, 8, 8, 16, 16]
+    assert held_num_warps(13) == 32 and held_num_warps(25) == 64
+
+
 def test_auto_on_the_cpu_is_the_chunked_path(monkeypatch):
     """``auto`` runs the fused chunked path on a CPU (its row math), with the oracle's loss and gradients."""
     calls = []

@@ -154,21 +154,18 @@ def test_fp8_logits_and_e5m2_gradient_buffer():
     assert rel(got, want_grad) < 0.1
 
 
-@pytest.mark.parametrize("p", [10240, 14336, 24576])  # RECORD §6's sampled P
-def test_held_rows_equal_streamed_rows_bit_for_bit(p):
-    """Holding the gradient factors in registers (every sampled P) against reading the row
-    again: the same operations, so the same bits, for fp8 logits into an e5m2 buffer and for
-    bf16 logits written in place."""
+def _held_and_streamed(p: int, seed: int, num_warps):
+    """Each row kernel launch held and streamed on one problem: fp8 logits into an e5m2 buffer and
+    bf16 logits written in place; {hold: (e5m2 grad, loss, bf16 grad, bf16 loss)}."""
     from nanogpt_pl.ops.cross_entropy import SOFTCAP_MAX, SOFTCAP_SHIFT, SOFTCAP_WIDTH
     from nanogpt_pl.ops.triton.cross_entropy import softcap_ce_rows
 
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows = 4096
     ell = torch.randn(rows, p, device="cuda", generator=g) * 8
     tpos = torch.randint(-1, p, (rows, 4), device="cuda", generator=g, dtype=torch.int32)
     tw = torch.rand(4, device="cuda", generator=g) + 0.1
-    consts = dict(cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH)
+    consts = dict(cap=SOFTCAP_MAX, shift=SOFTCAP_SHIFT, width=SOFTCAP_WIDTH, num_warps=num_warps)
     q = ell.clamp(-448, 448).to(torch.float8_e4m3fn)
     out = {}
     for hold in (True, False):
@@ -178,6 +175,38 @@ def test_held_rows_equal_streamed_rows_bit_for_bit(p):
         inplace = ell.bfloat16()
         loss_b = torch.empty(rows, device="cuda")
         softcap_ce_rows(inplace, 1.0, inplace, 1e-2, tpos, tw, loss_b, hold=hold, **consts)
-        out[hold] = (grad.view(torch.uint8), loss, inplace, loss_b)
+        out[hold] = (grad, loss, inplace, loss_b)
+    return out
+
+
+@pytest.mark.parametrize("p", [10240, 14336, 24576])  # RECORD §6's sampled P
+def test_held_rows_equal_streamed_rows_bit_for_bit(p):
+    """Holding the gradient factors in registers (every sampled P) against reading the row
+    again, both at the warp count a held launch takes: the same operations in the same order,
+    so the same bits."""
+    from nanogpt_pl.ops.triton.cross_entropy import DEFAULT_BLOCK_P, held_num_warps
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    out = _held_and_streamed(p, seed, held_num_warps(p // DEFAULT_BLOCK_P))
     for name, a, b in zip(("e5m2 grad", "loss", "bf16 grad", "bf16 loss"), out[True], out[False]):
-        assert torch.equal(a, b), f"P {p}, seed {seed}: {name} differs"
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b), f"P {p}, seed {seed}: {name} differs"
+
+
+@pytest.mark.parametrize("p", [14336, 24576])  # held at 16 warps by default, streamed at 8
+def test_held_rows_at_their_default_warps_match_streamed_rows(p):
+    """Where the held launch takes more warps than the streamed one (an H100 run found its loss
+    differing in the last bits), the row sum is reduced in another order: the loss agrees to
+    fp32 rounding and a gradient element differs, if at all, by one step of its format."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    out = _held_and_streamed(p, seed, None)
+    for i, (name, step) in enumerate((("e5m2 grad", 0.25), ("loss", None), ("bf16 grad", 2.0**-7),
+                                      ("bf16 loss", None))):
+        a, b = out[True][i].float(), out[False][i].float()
+        if step is None:
+            assert torch.allclose(a, b, rtol=2e-6, atol=0), f"P {p}, seed {seed}: {name}"
+            continue
+        differ = a != b
+        assert differ.float().mean() < 1e-3, f"P {p}, seed {seed}: {name}: {int(differ.sum())} differ"
+        bound = step * torch.maximum(a.abs(), b.abs()) + 2.0**-16
+        assert ((a - b).abs() <= bound).all(), f"P {p}, seed {seed}: {name} differs by more than a step"

@@ -38,6 +38,7 @@ __all__ = [
     "SOFTCAP_WIDTH",
     "BACKENDS",
     "TRITON_BACKENDS",
+    "auto_backend",
     "check_backend",
     "softcap",
     "softcap_ce_rows_reference",
@@ -341,10 +342,10 @@ def lm_head_loss(
             logits; memory grows with N·P), ``"chunked"`` (the fused algorithm, row math in
             PyTorch; any device), ``"triton"`` (the fused Triton kernel; CUDA, or the CPU
             interpreter with ``TRITON_INTERPRET=1``), ``"triton_held"`` (the same kernel keeping
-            a sampled row's gradient factors in registers between its two passes; the same bits,
-            not yet timed on a GPU), ``"auto"`` (triton on CUDA, chunked
-            otherwise: on a CPU the chunked path's cache-sized chunks ran the quickstart's step
-            1.12x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
+            a sampled row's gradient factors in registers between its two passes: 1.8x faster
+            alone at 10,240 candidates on an H100), ``"auto"`` (:func:`auto_backend`: triton_held on
+            CUDA, chunked otherwise: on a CPU the chunked path's cache-sized chunks ran the
+            quickstart's step 1.12x faster than the reference, BENCHMARKS.md "Quickstart (CPU)").
         head: how the fused path runs its GEMMs (:class:`HeadMatmul`); default
             :class:`TorchHeadMatmul`. The reference backend ignores it.
         chunk_rows: rows per chunk of the fused path; default :func:`default_chunk_rows`.
@@ -380,7 +381,7 @@ def lm_head_loss(
         prefix_targets = _to_device(prefix_targets, hidden.device).long()
 
     if backend == "auto":
-        backend = "triton" if hidden.is_cuda else "chunked"
+        backend = auto_backend(hidden.device)
     if backend == "reference":
         return _reference_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                                prefix_weight)
@@ -395,6 +396,13 @@ def lm_head_loss(
         rows_fn = _torch_rows
     return _fused_loss(hidden, weight, targets, candidates, mtp_weights, prefix_targets,
                        prefix_weight, rows_fn, head or _DEFAULT_HEAD, chunk_rows)
+
+
+def auto_backend(device: Union[torch.device, str]) -> str:
+    """What ``backend="auto"`` runs on ``device``: ``"triton_held"`` on CUDA (1.012x / 1.019x the
+    streamed kernel's stage-1 / stage-2 step on an H100, BENCHMARKS.md session 11), ``"chunked"``
+    elsewhere (the CPU's fastest, BENCHMARKS.md "Quickstart (CPU)")."""
+    return "triton_held" if torch.device(device).type == "cuda" else "chunked"
 
 
 def _check_candidates(candidates: torch.Tensor, n_classes: int) -> torch.Tensor:

@@ -24,7 +24,9 @@ the row fits (``hold``: every sampled P) the first pass can keep each column's f
 ``exp(z − A)·σ(1 − σ)`` in registers and the second only scales and stores it; P is then a
 compile-time block count (one compile per sampled P). Elsewhere (the full vocabulary) the
 second pass reads the logits again (mostly from L2) and recomputes the factor with the same
-operations, so both ways give the same bits.
+operations, so both ways give the same bits at the same warp count (held rows of 14,336 and
+24,576 columns take 16 warps by default, where the row sum's cross-thread reduction runs in
+another order: their loss and gradients can differ from the streamed ones in the last bits).
 """
 
 from __future__ import annotations
@@ -165,6 +167,16 @@ def _softcap_ce_rows_kernel(
         _store_grad(row_grad + tl.where(live, tpos, 0), g_t, grad_max, live, CLAMP_GRAD)
 
 
+def held_num_warps(held_blocks: int, block_p: int = DEFAULT_BLOCK_P) -> int:
+    """The default warps of a launch that holds ``held_blocks`` blocks of ``block_p`` columns (0:
+    a streamed row): ``DEFAULT_NUM_WARPS``, doubled until a thread holds at most
+    ``HOLD_PER_THREAD`` values (more spill: triton 3.6, sm_90)."""
+    warps = DEFAULT_NUM_WARPS
+    while held_blocks * block_p > HOLD_PER_THREAD * 32 * warps:
+        warps *= 2
+    return warps
+
+
 def softcap_ce_rows(
     logits: torch.Tensor,
     logit_scale: float,
@@ -195,13 +207,15 @@ def softcap_ce_rows(
         loss_out: ``[R]`` fp32, receives each row's weighted loss ``Σ_k w_k (LSE − z_target_k)``.
         cap, shift, width: the softcap constants ``z = cap·σ((ℓ + shift)/width)``.
         block_p: columns per inner-loop step (a power of two); defaults to ``DEFAULT_BLOCK_P``.
-        num_warps: warps per program; defaults to ``DEFAULT_NUM_WARPS``, doubled for held rows
-            until a thread holds at most ``HOLD_PER_THREAD`` values.
+        num_warps: warps per program; defaults to :func:`held_num_warps` (16 for held rows of
+            14,336 and 24,576 columns, else 8). The row sum's reduction across threads follows the
+            warp count, so held and streamed rows give the same bits at the same warp count, and
+            may differ in the last bits of the loss and gradient where the defaults differ.
         hold: keep each column's gradient factor in registers between the two passes instead of
             reading the row again and recomputing it, where the row fits: ``P`` a multiple of
             ``block_p`` with at most ``HOLD_MAX_BLOCKS`` blocks (every sampled P of RECORD §6) and a
             gradient written. Other rows (the full 50,304) stream. ``model.backends.loss:
-            triton_held`` turns it on in training.
+            triton_held`` (what ``auto`` picks on CUDA) turns it on in training.
     """
     R, P = logits.shape
     terms = tpos.shape[1]
@@ -220,9 +234,7 @@ def softcap_ce_rows(
     block = block_p or min(DEFAULT_BLOCK_P, triton.next_power_of_2(P))
     fits = P % block == 0 and P // block <= HOLD_MAX_BLOCKS
     held = P // block if hold and fits and write_grad else 0
-    warps = num_warps or DEFAULT_NUM_WARPS
-    while num_warps is None and held * block > HOLD_PER_THREAD * 32 * warps:
-        warps *= 2  # held values past HOLD_PER_THREAD a thread spill (triton 3.6, sm_90)
+    warps = num_warps or held_num_warps(held, block)
     _softcap_ce_rows_kernel[(R,)](
         logits, logits.stride(0), grad, grad.stride(0), tpos, tpos.stride(0),
         term_weights, loss_out, P, float(logit_scale), float(grad_scale), grad_max,

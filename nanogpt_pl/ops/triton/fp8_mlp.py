@@ -226,7 +226,10 @@ def transpose_bytes(row: torch.Tensor, block: tuple[int, int] = _TRANSPOSE_TILE)
     them: on the H200 (triton 3.6) the dpre kernels' own transposed stores wrote wrong bytes,
     whether the tile was stored as e5m2 or as its uint8 bit pattern and for every tile shape
     tried (BENCHMARKS.md "FP8", tests/test_fp8_layouts.py); a kernel that only moves bytes
-    writes them right.
+    writes them right. On an H100 the fault followed the hardware fp32 -> e5m2 conversion: a
+    transposed copy of its output was wrong even when packed four bytes to a 32-bit word, and
+    right when the bytes were built with integer arithmetic; those correct fused passes were
+    0.90-0.99x the speed of this pass plus the byte transpose (BENCHMARKS.md, session 11).
     """
     assert row.ndim == 2 and row.is_contiguous() and row.element_size() == 1
     m, n = row.shape
