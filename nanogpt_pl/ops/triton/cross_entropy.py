@@ -73,6 +73,16 @@ def _store_grad(ptrs, g, grad_max, mask, CLAMP_GRAD: tl.constexpr):
     tl.store(ptrs, g.to(ptrs.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _streamed_terms(row_logits, c, P, logit_scale, CAP: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
+    """A streamed row's block at columns ``c``: (in range, exp(z − CAP), σ(1−σ)), columns past P
+    read as 0 and masked."""
+    m = c < P
+    ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
+    _, t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+    return m, t, ds
+
+
 @triton.jit(do_not_specialize=["P"])
 def _softcap_ce_rows_kernel(
     logits_ptr,
@@ -126,10 +136,7 @@ def _softcap_ce_rows_kernel(
                 held = held + (t * ds,)
     else:
         for start in range(0, P, BLOCK_P):
-            c = start + cols
-            m = c < P
-            ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-            _, t, _ = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+            m, t, _ = _streamed_terms(row_logits, start + cols, P, logit_scale, CAP, SHIFT, WIDTH)
             acc += tl.where(m, t, 0.0)
     total = tl.sum(acc, axis=0)
     lse = CAP + tl.log(total)
@@ -153,9 +160,7 @@ def _softcap_ce_rows_kernel(
         else:
             for start in range(0, P, BLOCK_P):
                 c = start + cols
-                m = c < P
-                ell = tl.load(row_logits + c, mask=m, other=0.0).to(tl.float32)
-                _, t, ds = _softcap_terms(ell, logit_scale, CAP, SHIFT, WIDTH)
+                m, t, ds = _streamed_terms(row_logits, c, P, logit_scale, CAP, SHIFT, WIDTH)
                 _store_grad(row_grad + c, k * (t * ds), grad_max, m, CLAMP_GRAD)
         # Target columns: the same formula with the weights of every term on that column
         # subtracted. The barrier orders these stores after pass 2's stores of the same
