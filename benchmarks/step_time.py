@@ -35,7 +35,10 @@ same run, and gives config/overlay.
 
 ``--variant NAME KEY=VALUE ...`` (repeatable) also runs the plain loop with those overrides, each
 variant in its own process of the same run, and gives plain/variant: a same-run A/B of backends or
-switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``.
+switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``. An override ``env:NAME=VALUE`` sets an
+environment variable of that loop's process instead, e.g. ``--variant default_queues
+env:CUDA_SCALE_LAUNCH_QUEUES=1x`` (every loop starts with the launch queues ``main.py`` uses,
+``nanogpt_pl/launch_queues.py``; the report names the scale).
 
 ``--rounds R`` runs the whole sequence of loops R times, back to back (plain, its variants, plain,
 ...), and reports each loop's median round, every round's ms/step and each variant's ratio within
@@ -81,6 +84,7 @@ import bisect
 import datetime
 import glob
 import json
+import os
 import subprocess
 import sys
 import time
@@ -97,7 +101,9 @@ from callbacks.speedrun_timer import reserve_run_shapes  # noqa: E402
 from nanogpt_pl.capture import FrozenGC  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
 from nanogpt_pl.config_files import load_config  # noqa: E402
+from nanogpt_pl.launch_queues import LaunchQueueError, scale_launch_queues  # noqa: E402
 
+ENV_PREFIX = "env:"  # a variant override that sets an environment variable of its loop
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, vendor datasheet
 
 
@@ -162,13 +168,29 @@ def parse_variants(variants: list[list[str]]) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     for item in variants:
         name, sets = item[0], item[1:]
-        if "=" in name or not sets or any("=" not in kv for kv in sets):
-            sys.exit(f"step_time: --variant {' '.join(item)}: give a name, then KEY=VALUE overrides "
-                     "(e.g. --variant anvil_triton model.backends.anvil=triton)")
+        if ("=" in name or not sets or any("=" not in kv for kv in sets)
+                or any(kv.startswith(ENV_PREFIX) and not kv[len(ENV_PREFIX):].split("=", 1)[0] for kv in sets)):
+            sys.exit(f"step_time: --variant {' '.join(item)}: give a name, then KEY=VALUE overrides or "
+                     "env:NAME=VALUE variables (e.g. --variant anvil_triton model.backends.anvil=triton)")
         if name in {n for n, _ in out} or name in ("plain", "plain-eager", "lightning", "against"):
             sys.exit(f"step_time: --variant {name}: the name is taken; give each variant its own")
         out.append((name, sets))
     return out
+
+
+def split_env(sets: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A variant's overrides as (config overrides, environment variables): ``env:NAME=VALUE`` is the latter."""
+    config = [kv for kv in sets if not kv.startswith(ENV_PREFIX)]
+    env = dict(kv[len(ENV_PREFIX):].split("=", 1) for kv in sets if kv.startswith(ENV_PREFIX))
+    return config, env
+
+
+def child_env(mode: str, variants: list[tuple[str, list[str]]]) -> Optional[dict[str, str]]:
+    """The environment of one loop's process: this one's, with a variant's ``env:`` overrides (None: inherit)."""
+    if not mode.startswith("variant "):
+        return None
+    _, env = split_env(dict(variants)[mode.split(" ", 1)[1]])
+    return {**os.environ, **env} if env else None
 
 
 def combine_rounds(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -228,7 +250,7 @@ def child_command(argv: list[str], mode: str, variants: list[tuple[str, list[str
     if mode.startswith("variant "):
         name = mode.split(" ", 1)[1]
         cmd = [sys.executable, __file__, *argv, "--child", "plain", "--tag", f"variant-{name}"]
-        for kv in dict(variants)[name]:
+        for kv in split_env(dict(variants)[name])[0]:
             cmd += ["--set", kv]  # after the shared --set overrides, so these win
         return cmd
     cmd = [sys.executable, __file__, *argv, "--child", mode]
@@ -724,6 +746,10 @@ def main() -> None:
                     help="run every loop this many times, interleaved; report the median round and each round")
     ap.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    try:
+        queues = scale_launch_queues()  # as main.py does, before anything initializes CUDA
+    except LaunchQueueError as exc:
+        sys.exit(f"step_time: {exc}")
     if a.rounds < 1:
         sys.exit(f"step_time: --rounds {a.rounds}: give 1 or more")
     variants = parse_variants(a.variant)
@@ -745,7 +771,7 @@ def main() -> None:
             result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.tag or a.child)
         else:
             result = run_lightning(args, a.warmup, a.steps)
-        print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"],
+        print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"], "queues": queues,
                                       "busy": result.get("busy"), "graphs": result.get("graphs"),
                                       "flops_tok": result["gpt"].flops_per_token(
                                           stage["seq_len"], stage["window_short"], stage["window_long"])}))
@@ -764,7 +790,7 @@ def main() -> None:
     for rnd in range(a.rounds):
         for mode in modes:
             cmd = child_command(sys.argv[1:], mode, variants, a.baseline)
-            proc = subprocess.run(cmd, capture_output=True, text=True,
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(mode, variants),
                                   cwd=a.baseline if mode == "baseline" else None)
             if (a.profile or a.cprofile) and mode != "lightning":
                 print(proc.stderr[-40000:])
@@ -788,6 +814,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device}  torch {torch.__version__}  "
           f"date {datetime.date.today().isoformat()}")
+    scales = {mode: r.get("queues") or "driver default" for mode, r in results.items()}
+    print("launch queues (CUDA_SCALE_LAUNCH_QUEUES): " + (next(iter(scales.values())) if len(set(scales.values())) == 1
+                                                          else ", ".join(f"{m} {v}" for m, v in scales.items())))
     print(f"model FLOPs/token (dense, full vocab): {flops_tok / 1e9:.3f} GFLOP")
     print(f"{'loop':<12} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'vs plain':>9} {'GPU busy':>9}")
     base = results.get("plain")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,22 @@ def test_variants_run_the_plain_loop_with_their_overrides_last():
             mod.parse_variants([bad])
     with pytest.raises(SystemExit, match="the name is taken"):
         mod.parse_variants([["plain", "a=b"]])
+
+
+def test_a_variants_env_overrides_set_its_process_environment_not_its_config(monkeypatch):
+    mod = _step_time()
+    monkeypatch.setenv("KEEP_ME", "1")
+    variants = mod.parse_variants([["q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x", "model.compile=false"],
+                                   ["cfg", "model.compile=false"]])
+    argv = ["--only", "plain", "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x", "model.compile=false"]
+    cmd = mod.child_command(argv, "variant q1", variants)
+    assert cmd[-6:] == ["--child", "plain", "--tag", "variant-q1", "--set", "model.compile=false"]
+    env = mod.child_env("variant q1", variants)
+    assert env["CUDA_SCALE_LAUNCH_QUEUES"] == "1x" and env["KEEP_ME"] == "1"
+    assert mod.child_env("variant cfg", variants) is None and mod.child_env("plain", variants) is None
+    assert mod.split_env(["env:A=x=y", "b.c=1"]) == (["b.c=1"], {"A": "x=y"})
+    with pytest.raises(SystemExit, match="env:NAME=VALUE variables"):
+        mod.parse_variants([["bad", "env:=1x"]])
 
 
 # Kernel names as the CUDA profiler reported them on the H200 (a stage-1 trace of step_time.py)
@@ -317,11 +334,16 @@ def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path):
                           "configs/quickstart.yaml", "--only", "plain", "--no-eager", "--steps", "1", "--warmup", "1",
                           "--set", "model.gpt.num_layers=2", "--set", "model.gpt.long_window_layers=[1]",
                           "--set", "model.gpt.value_embed_layers=[1]", "--set", "model.gpt.skip_from=null",
-                          "--set", "model.gpt.skip_to=null", "--baseline", str(tree)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--set", "model.gpt.skip_to=null", "--baseline", str(tree),
+                          "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "CUDA_SCALE_LAUNCH_QUEUES"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert (tree / "imported").is_file() and not (ROOT / "imported").exists()
     rows = [ln.split() for ln in out.stdout.splitlines()]
     table = [r for r in rows if len(r) == 7 and r[3].endswith("%")]  # loop, ms/step, tokens/s, MFU, ...
     assert [r[0] for r in table] == ["plain", "baseline"] and float(table[1][1]) > 0
     assert any(ln.startswith(f"baseline ({tree}) / plain step time: ") for ln in out.stdout.splitlines())
+    # every loop starts with main.py's launch queues; the variant's own environment gives it 1x (the
+    # baseline tree's copy of the script sets the default too, inherited or its own)
+    assert "launch queues (CUDA_SCALE_LAUNCH_QUEUES): plain 4x, baseline 4x, variant q1 1x" in out.stdout

@@ -1,0 +1,62 @@
+"""How much work the host may queue ahead of the GPU: the CUDA driver's launch queues.
+
+A replayed CUDA graph of a micro-batch holds about 1,080 kernels. With the driver's default
+queues the host blocks in the graph launch until most of the graph has been taken off the
+queue ("Command Buffer Full" in a profile), so when the launch returns, little GPU work is left
+queued; the host's work before the next replay (the FP8 staleness check, the copy-in, the sparse
+pull and push, the next batch) then outlasts it and the GPU waits. Larger queues let the host
+stay a graph or more ahead (BENCHMARKS.md, "Stage 0's idle" and "The launch queues").
+
+The driver reads ``CUDA_SCALE_LAUNCH_QUEUES`` (a scale such as ``4x``) once, when the process
+first initializes CUDA. ``main.py`` and ``benchmarks/step_time.py`` set it to
+:data:`DEFAULT_SCALE` at their start unless the environment already names one:
+``CUDA_SCALE_LAUNCH_QUEUES=1x python main.py fit ...`` runs with the driver's default queues.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+from typing import Optional
+
+ENV = "CUDA_SCALE_LAUNCH_QUEUES"
+# four times the driver's default queue: the largest scale the CUDA programming guide lists
+DEFAULT_SCALE = "4x"
+_SCALE = re.compile(r"^(\d+(\.\d*)?|\.\d+)x$")
+
+
+class LaunchQueueError(ValueError):
+    """A malformed ``CUDA_SCALE_LAUNCH_QUEUES`` value in the environment."""
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")  # never import torch just to ask
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def scale_launch_queues(default: Optional[str] = DEFAULT_SCALE) -> Optional[str]:
+    """Set ``CUDA_SCALE_LAUNCH_QUEUES`` to ``default`` unless the environment names a scale; return the
+    scale in effect (None: the driver's default queues).
+
+    Call it before anything initializes CUDA in this process: once CUDA is initialized the
+    driver has read its queues, so the call then changes nothing and warns. Processes started
+    from this one (Lightning's launcher of the other ranks, a benchmark's loops) inherit it.
+    """
+    value = os.environ.get(ENV)
+    if value is not None:
+        value = value.strip()
+        if not _SCALE.match(value):
+            raise LaunchQueueError(f"{ENV}={value!r}: give a scale such as 4x (1x keeps the driver's default queues)")
+        return value
+    if default is None:
+        return None
+    if not _SCALE.match(default):
+        raise LaunchQueueError(f"launch queue scale {default!r}: give a scale such as 4x")
+    if _cuda_initialized():
+        warnings.warn(f"{ENV} not set: CUDA is already initialized in this process, so the launch queues "
+                      "keep the driver's default size")
+        return None
+    os.environ[ENV] = default
+    return default
