@@ -500,21 +500,14 @@ def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path:
 # Chrome-trace categories: the host calls that launch GPU work, and the GPU work itself.
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 SMALL_KERNEL_US = 8.0  # "small": a launch gap (about a microsecond inside a graph) is a large share of it
 
 
-def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
-    """Every GPU kernel, memset and copy of a Chrome trace (``export_chrome_trace``) with the host
-    operation that launched it: ``(GPU event, duration us, launching op, the op around it, phase)``.
-
-    The runtime call that launched a GPU event carries the same correlation id; the launching op is
-    the innermost ``cpu_op`` on that call's thread whose span holds it, and the phase the innermost
-    step range (``step/``, ``graphs/``, ``data/``). Run with the graphs off (``--set
-    model.cuda_graphs=false``): a replayed graph's kernels all come from one ``cudaGraphLaunch``.
-    A GPU event whose launch is not in the trace gets ``?``, and so does the phase of work autograd's
-    own thread launches (the backward), which runs outside the step's ranges.
-    """
-    calls: dict[Any, tuple[Any, float]] = {}
+def _traced_gpu_events(trace: dict) -> list[tuple[dict, Any, str, str, str, str]]:
+    """Every GPU kernel, memset and copy of a Chrome trace with its launch: ``(event, correlation id,
+    launching runtime call, launching op, the op around it, phase)`` (see :func:`trace_launches`)."""
+    calls: dict[Any, tuple[Any, float, str]] = {}
     spans: dict[Any, list[tuple[float, float, str, bool]]] = {}
     gpu = []
     for e in trace.get("traceEvents", []):
@@ -522,7 +515,7 @@ def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
         if cat in _LAUNCH_CATS:
             corr = e.get("args", {}).get("correlation")
             if corr is not None:
-                calls[corr] = (e["tid"], float(e["ts"]))
+                calls[corr] = (e["tid"], float(e["ts"]), e.get("name", ""))
         elif cat == "cpu_op" or (cat == "user_annotation" and e["name"].startswith(PHASE_PREFIXES)):
             start = float(e["ts"])
             spans.setdefault(e["tid"], []).append((start, start + float(e.get("dur", 0.0)), e["name"], cat == "cpu_op"))
@@ -530,7 +523,7 @@ def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
             gpu.append(e)
     # the enclosing spans of each launch: one sweep per thread over the spans (they nest) and the launches
     queries: dict[Any, list[tuple[float, Any]]] = {}
-    for corr, (tid, ts) in calls.items():
+    for corr, (tid, ts, _) in calls.items():
         queries.setdefault(tid, []).append((ts, corr))
     chains: dict[Any, tuple[str, str, str]] = {}
     for tid, asked in queries.items():
@@ -550,9 +543,73 @@ def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
             chains[corr] = (ops[-1] if ops else "?", ops[-2] if len(ops) > 1 else "", phases[-1] if phases else "?")
     out = []
     for e in gpu:
-        op, around, phase = chains.get(e.get("args", {}).get("correlation"), ("?", "", "?"))
-        out.append((e["name"], float(e.get("dur", 0.0)), op, around, phase))
+        corr = e.get("args", {}).get("correlation")
+        op, around, phase = chains.get(corr, ("?", "", "?"))
+        out.append((e, corr, calls[corr][2] if corr in calls else "?", op, around, phase))
     return out
+
+
+def trace_launches(trace: dict) -> list[tuple[str, float, str, str, str]]:
+    """Every GPU kernel, memset and copy of a Chrome trace (``export_chrome_trace``) with the host
+    operation that launched it: ``(GPU event, duration us, launching op, the op around it, phase)``.
+
+    The runtime call that launched a GPU event carries the same correlation id; the launching op is
+    the innermost ``cpu_op`` on that call's thread whose span holds it, and the phase the innermost
+    step range (``step/``, ``graphs/``, ``data/``). Run with the graphs off (``--set
+    model.cuda_graphs=false``): a replayed graph's kernels all come from one ``cudaGraphLaunch``.
+    A GPU event whose launch is not in the trace gets ``?``, and so does the phase of work autograd's
+    own thread launches (the backward), which runs outside the step's ranges.
+    """
+    return [(e["name"], float(e.get("dur", 0.0)), op, around, phase)
+            for e, _, _, op, around, phase in _traced_gpu_events(trace)]
+
+
+def idle_gaps(trace: dict, steps: int) -> list[tuple[str, float, float, float]]:
+    """Where the GPU waits: every gap between one GPU event's end (the latest end so far) and the
+    next event's start, grouped by what the next event is, largest first: ``(where, gaps per step, idle
+    us per step, largest gap us)``.
+
+    - ``inside a graph [phase]``: both events come from one ``cudaGraphLaunch`` (its kernels, one after
+      another: the device's own time between kernels, which only fewer kernels shorten);
+    - ``graph start [phase]``: the first event of a graph launch after other work (the host's launch
+      came late, or the driver's start of the graph);
+    - ``<op> [phase]``: an eagerly launched event, by the host op that launched it.
+
+    The gaps inside a graph are the queue running as fast as it can; the others are where the host
+    set the pace, and by which launch. Unlike the host phases' table, which names what the host was
+    doing while the GPU waited, this names the work the GPU waited for.
+    """
+    events = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), corr, api, op, phase)
+                     for e, corr, api, op, _, phase in _traced_gpu_events(trace)), key=lambda r: r[0])
+    groups: dict[str, tuple[int, float, float]] = {}
+    cursor, last_corr = None, None
+    for a, b, corr, api, op, phase in events:
+        if cursor is not None and a > cursor:
+            graph = api.startswith(GRAPH_LAUNCHES)
+            if graph and corr == last_corr:
+                where = f"inside a graph [{phase}]"
+            elif graph:
+                where = f"graph start [{phase}]"
+            else:
+                where = f"{op} [{phase}]"
+            n, total, top = groups.get(where, (0, 0.0, 0.0))
+            groups[where] = (n + 1, total + (a - cursor), max(top, a - cursor))
+        if cursor is None or b >= cursor:
+            cursor, last_corr = b, corr
+    rows = [(where, n / steps, total / steps, top) for where, (n, total, top) in groups.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def write_idle_gaps(trace: dict, steps: int, path: Path, tag: str, top: int = 10) -> None:
+    """:func:`idle_gaps` as a tab-separated file, and its largest rows on stderr."""
+    rows = idle_gaps(trace, steps)
+    lines = ["where\tgaps_per_step\tidle_us_per_step\tlargest_gap_us"]
+    lines += [f"{where}\t{n:.2f}\t{us:.1f}\t{big:.1f}" for where, n, us, big in rows]
+    path.write_text("\n".join(lines) + "\n")
+    print(f"{tag}: GPU idle per step by the work it waited for (gaps, idle ms, largest gap us): {path}",
+          file=sys.stderr)
+    for where, n, us, big in rows[:top]:
+        print(f"{tag}:   {n:8.1f} {us / 1e3:8.2f} {big:9.1f}  {where[:100]}", file=sys.stderr)
 
 
 def launch_table(launches: list[tuple[str, float, str, str, str]], steps: int
@@ -576,10 +633,10 @@ def launch_table(launches: list[tuple[str, float, str, str, str]], steps: int
     return sorted(rows, key=lambda r: (-r[1], -r[2]))
 
 
-def write_launch_table(trace_path: Path, steps: int, path: Path, tag: str, top: int = 12) -> None:
-    """The launch table of a saved trace as a tab-separated file, and its largest memset and
+def write_launch_table(trace: dict, steps: int, path: Path, tag: str, top: int = 12) -> None:
+    """The launch table of a trace as a tab-separated file, and its largest memset and
     small-kernel rows on stderr."""
-    rows = launch_table(trace_launches(json.loads(trace_path.read_text())), steps)
+    rows = launch_table(trace_launches(trace), steps)
     lines = ["what\tlaunches_per_step\tus_per_step\tlaunching_op\taround\tphase\tgpu_event"]
     lines += ["\t".join([what, f"{n:.2f}", f"{us:.1f}", op, around, phase, name])
               for what, n, us, op, around, phase, name in rows]
@@ -685,7 +742,9 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             table = out / f"{tag}-kernels.tsv"
             write_kernel_table(events, steps, table)
             print(f"{tag}: every kernel, largest first: {table}", file=sys.stderr)
-            write_launch_table(trace, steps, out / f"{tag}-launchers.tsv", tag)
+            traced = json.loads(trace.read_text())
+            write_launch_table(traced, steps, out / f"{tag}-launchers.tsv", tag)
+            write_idle_gaps(traced, steps, out / f"{tag}-idle.tsv", tag)
             print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"

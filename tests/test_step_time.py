@@ -198,15 +198,54 @@ def test_the_launch_table_groups_per_step_and_names_memsets_copies_and_small_ker
     assert what[("aten::mul", "k_small")] == "small kernel" and what[("aten::mul", "k_big")] == "kernel"
     assert what[("aten::copy_", "Memcpy DtoD (Device -> Device)")] == "copy"
     assert {(r[3], r[6]): r[2] for r in rows}[("aten::mul", "k_big")] == 10.0  # us per step
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps(trace))
-    mod.write_launch_table(path, 2, tmp_path / "plain-launchers.tsv", "plain")
+    mod.write_launch_table(json.loads(json.dumps(trace)), 2, tmp_path / "plain-launchers.tsv", "plain")
     lines = (tmp_path / "plain-launchers.tsv").read_text().splitlines()
     assert lines[0].split("\t")[:4] == ["what", "launches_per_step", "us_per_step", "launching_op"]
     assert len(lines) == 1 + len(rows)
     err = capsys.readouterr().err
     assert "plain: memsets per step: 1 launches" in err and "aten::zero_ <- aten::zeros [step/micro_batch]" in err
     assert "plain: small kernels per step: 2 launches" in err
+
+
+def test_idle_gaps_name_the_work_the_gpu_waited_for(tmp_path, capsys):
+    """Gaps inside one graph launch, before a graph's first kernel and before eager launches, per step;
+    overlapping events leave no gap, and a gap is measured from the latest end so far."""
+    def span(cat, name, tid, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    def launch(ts, corr, name):
+        return {**span("cuda_runtime", name, 1, ts, 1), "args": {"correlation": corr}}
+
+    def gpu(name, ts, dur, corr, cat="kernel"):
+        return {**span(cat, name, 7, ts, dur), "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        span("user_annotation", "graphs/replay", 1, 0, 5), launch(1, 1, "cudaGraphLaunch"),
+        span("user_annotation", "step/optimizer", 1, 50, 40),
+        span("cpu_op", "aten::add_", 1, 60, 5), launch(61, 2, "cudaLaunchKernel"),
+        span("cpu_op", "aten::zero_", 1, 70, 5), launch(71, 3, "cudaMemsetAsync"),
+        span("user_annotation", "graphs/replay", 1, 80, 5), launch(81, 4, "cudaGraphLaunch"),
+        # graph 1: three kernels with gaps of 1 and 2 us, the third overlapping a long second one
+        gpu("g1_a", 10, 4, 1), gpu("g1_b", 15, 10, 1), gpu("g1_c", 20, 3, 1), gpu("g1_d", 27, 2, 1),
+        gpu("k_add", 70, 2, 2),                       # 41 us after the graph's end: the eager add waited
+        gpu("Memset (Device)", 75, 1, 3, "gpu_memset"),  # 3 us
+        gpu("g2_a", 100, 5, 4), gpu("g2_b", 106, 5, 4),  # 24 us before the second graph, then 1 us inside
+    ]}
+    mod = _step_time()
+    rows = mod.idle_gaps(trace, steps=2)
+    got = {where: (n, us, big) for where, n, us, big in rows}
+    assert got == {
+        "aten::add_ [step/optimizer]": (0.5, 20.5, 41.0),
+        "graph start [graphs/replay]": (0.5, 12.0, 24.0),
+        "inside a graph [graphs/replay]": (1.5, 2.0, 2.0),  # 1 (a->b) + 2 (b ends at 25, d at 27) + 1 (g2)
+        "aten::zero_ [step/optimizer]": (0.5, 1.5, 3.0),
+    }
+    assert [r[0] for r in rows][:2] == ["aten::add_ [step/optimizer]", "graph start [graphs/replay]"]
+    mod.write_idle_gaps(trace, 2, tmp_path / "plain-idle.tsv", "plain")
+    lines = (tmp_path / "plain-idle.tsv").read_text().splitlines()
+    assert lines[0].split("\t") == ["where", "gaps_per_step", "idle_us_per_step", "largest_gap_us"]
+    assert lines[1].split("\t") == ["aten::add_ [step/optimizer]", "0.50", "20.5", "41.0"]
+    assert "plain: GPU idle per step by the work it waited for" in capsys.readouterr().err
 
 
 def test_gpu_busy_time_is_the_union_of_the_intervals():
