@@ -573,17 +573,18 @@ def idle_gaps(trace: dict, steps: int) -> list[tuple[str, float, float, float]]:
       another: the device's own time between kernels, which only fewer kernels shorten);
     - ``graph start [phase]``: the first event of a graph launch after other work (the host's launch
       came late, or the driver's start of the graph);
-    - ``<op> [phase]``: an eagerly launched event, by the host op that launched it.
+    - ``<op> [phase] <event>``: an eagerly launched event, by the host op that launched it (``?`` for
+      a Triton kernel, whose launch is no profiled op) and its name.
 
     The gaps inside a graph are the queue running as fast as it can; the others are where the host
     set the pace, and by which launch. Unlike the host phases' table, which names what the host was
     doing while the GPU waited, this names the work the GPU waited for.
     """
-    events = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), corr, api, op, phase)
+    events = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), corr, api, op, phase, e["name"])
                      for e, corr, api, op, _, phase in _traced_gpu_events(trace)), key=lambda r: r[0])
     groups: dict[str, tuple[int, float, float]] = {}
     cursor, last_corr = None, None
-    for a, b, corr, api, op, phase in events:
+    for a, b, corr, api, op, phase, name in events:
         if cursor is not None and a > cursor:
             graph = api.startswith(GRAPH_LAUNCHES)
             if graph and corr == last_corr:
@@ -591,7 +592,7 @@ def idle_gaps(trace: dict, steps: int) -> list[tuple[str, float, float, float]]:
             elif graph:
                 where = f"graph start [{phase}]"
             else:
-                where = f"{op} [{phase}]"
+                where = f"{op} [{phase}] {name}"
             n, total, top = groups.get(where, (0, 0.0, 0.0))
             groups[where] = (n + 1, total + (a - cursor), max(top, a - cursor))
         if cursor is None or b >= cursor:

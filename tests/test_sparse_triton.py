@@ -165,6 +165,44 @@ def test_segments_hand_the_kernel_every_term_once():
         assert bool((seg.slot[seg.offsets[i]:seg.offsets[i + 1]] == i).all())
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+def test_the_per_event_integers_do_not_make_new_compiled_variants():
+    """``event`` grows an event and ``split`` follows the queue: specialized (Triton's value classes
+    1 / multiple of 16 / other), each new class compiled a kernel mid-run, on the clock."""
+    from nanogpt_pl.ops.triton.row_adam import _lazy_row_adam_kernel
+
+    unspecialized = {p.name for p in _lazy_row_adam_kernel.params if p.do_not_specialize}
+    assert {"split", "scratch", "event"} <= unspecialized
+
+
+@pytest.mark.cuda
+def test_events_past_the_first_compile_nothing_on_the_gpu():
+    """Events 1, 2, 16, 17 and 32 with queues of several lengths: one compiled variant of the kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from nanogpt_pl.ops.triton.row_adam import _lazy_row_adam_kernel, lazy_row_adam_
+
+    dev = torch.device("cuda")
+    rows, dim = 1000, 768
+    table = torch.randn(rows + 1, dim, device=dev) * 0.02
+    v = torch.zeros(rows + 1, device=dev)
+    last = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+    decay = torch.ones(64, device=dev)
+    variants = []
+    for event, terms in ((1, 16), (2, 17), (16, 33), (17, 48), (32, 1)):
+        src = torch.randn(terms, dim, device=dev)
+        used = torch.arange(terms, device=dev) % 7  # 7 rows share the terms, in order
+        order = torch.argsort(used, stable=True)
+        counts = torch.bincount(used, minlength=7)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        lazy_row_adam_(table, v, last, torch.arange(7, device=dev), src, order, offsets, decay[:event],
+                       scratch=rows, event=event, beta2=0.95, step_size=1e-3, eps=1e-10, decay_wd=0.0)
+        torch.cuda.synchronize()
+        variants.append(len(_lazy_row_adam_kernel.device_caches[dev.index or 0][0]))
+    assert variants == [variants[0]] * 5, variants
+    assert int(last[:7].max()) == 32 and int(last[7:].max()) == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0])
 def test_fused_event_matches_pytorch_on_the_gpu(seed):

@@ -235,16 +235,16 @@ def test_idle_gaps_name_the_work_the_gpu_waited_for(tmp_path, capsys):
     rows = mod.idle_gaps(trace, steps=2)
     got = {where: (n, us, big) for where, n, us, big in rows}
     assert got == {
-        "aten::add_ [step/optimizer]": (0.5, 20.5, 41.0),
+        "aten::add_ [step/optimizer] k_add": (0.5, 20.5, 41.0),
         "graph start [graphs/replay]": (0.5, 12.0, 24.0),
         "inside a graph [graphs/replay]": (1.5, 2.0, 2.0),  # 1 (a->b) + 2 (b ends at 25, d at 27) + 1 (g2)
-        "aten::zero_ [step/optimizer]": (0.5, 1.5, 3.0),
+        "aten::zero_ [step/optimizer] Memset (Device)": (0.5, 1.5, 3.0),
     }
-    assert [r[0] for r in rows][:2] == ["aten::add_ [step/optimizer]", "graph start [graphs/replay]"]
+    assert [r[0] for r in rows][:2] == ["aten::add_ [step/optimizer] k_add", "graph start [graphs/replay]"]
     mod.write_idle_gaps(trace, 2, tmp_path / "plain-idle.tsv", "plain")
     lines = (tmp_path / "plain-idle.tsv").read_text().splitlines()
     assert lines[0].split("\t") == ["where", "gaps_per_step", "idle_us_per_step", "largest_gap_us"]
-    assert lines[1].split("\t") == ["aten::add_ [step/optimizer]", "0.50", "20.5", "41.0"]
+    assert lines[1].split("\t") == ["aten::add_ [step/optimizer] k_add", "0.50", "20.5", "41.0"]
     assert "plain: GPU idle per step by the work it waited for" in capsys.readouterr().err
 
 

@@ -36,7 +36,11 @@ from torch.autograd.graph import increment_version
 from nanogpt_pl.ops.triton.fp8_quant import store_rounded
 
 
-@triton.jit
+# Triton compiles a variant per value class of an integer argument (1, a multiple of 16, other):
+# ``event`` grows by one an event and ``split`` follows the queue, so specialized, new variants
+# compiled mid-run, on the clock (a 234 ms stall in an H100 profile at event 2, BENCHMARKS.md
+# "The launch queues ..."); neither value gains from specializing, nor does the fixed ``scratch``.
+@triton.jit(do_not_specialize=["split", "scratch", "event"])
 def _lazy_row_adam_kernel(table_ptr, v_ptr, last_ptr, rows_ptr, src_ptr, src2_ptr, order_ptr, offsets_ptr, decay_ptr,
                           D, stride_table, stride_src, stride_src2, split, scratch, event, beta2, one_minus_beta2,
                           step_size, eps, decay_wd, grad_scale, HAS_SRC2: tl.constexpr, BLOCK_D: tl.constexpr):
