@@ -61,7 +61,10 @@ of the step (``step/data`` with ``data/next``, the wait for the loader's thread,
 and ``data/transfer``; ``step/sparse_pull`` with ``graphs/pull_replay`` where the pull is
 captured; ``step/micro_batch`` with ``graphs/copy_in`` and ``graphs/replay``; ``step/sparse_push``,
 ``step/optimizer``, ``step/run_ahead_wait``), the loader thread's ``data/produce``, and per
-blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU idle time it holds.
+blocking CUDA call (synchronizes, ``cudaFree``, ...), its host time and the GPU idle time it holds
+(with ``--stacks``, also who made each blocking call: its Python callers).
+``DIR/<loop>-idle.tsv`` groups the GPU's idle gaps by the work it waited for: the gaps between the
+kernels of one graph launch, the start of a graph, or an eager launch by its op, phase and name.
 ``DIR/<loop>-launchers.tsv`` traces every GPU event back to the host operation that launched it (and
 the operation around that, and the step's phase), with the memsets and small kernels on stderr: run
 it with ``--set model.cuda_graphs=false``, since a replayed graph launches all its kernels at once.
@@ -501,6 +504,7 @@ def write_kernel_table(events: list[tuple[str, float, float]], steps: int, path:
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+_PROJECT_ROOTS = ("nanogpt_pl/", "callbacks/", "benchmarks/")
 SMALL_KERNEL_US = 8.0  # "small": a launch gap (about a microsecond inside a graph) is a large share of it
 
 
@@ -634,6 +638,45 @@ def launch_table(launches: list[tuple[str, float, str, str, str]], steps: int
     return sorted(rows, key=lambda r: (-r[1], -r[2]))
 
 
+def blocking_callers(trace: dict, steps: int, depth: int = 3) -> list[tuple[str, str, float, float]]:
+    """Who made each blocking call of a trace recorded with Python stacks (``--stacks``): ``(call,
+    callers, calls per step, host ms per step)``, most host time first.
+
+    ``callers`` is the innermost ``depth`` Python frames around the call on its thread, innermost
+    first, joined by `` <- ``; frames of this project (``nanogpt_pl/``, ``callbacks/``, ``benchmarks/``)
+    are preferred, so a synchronize deep in torch reads as the project line that asked for it.
+    """
+    frames: dict[Any, list[tuple[float, float, str]]] = {}
+    calls: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in trace.get("traceEvents", []):
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat == "python_function":
+            start = float(e["ts"])
+            frames.setdefault(e["tid"], []).append((start, start + float(e.get("dur", 0.0)), name))
+        elif cat in _LAUNCH_CATS and name in BLOCKING_CALLS:
+            calls.setdefault(e["tid"], []).append((float(e["ts"]), float(e.get("dur", 0.0)), name))
+    groups: dict[tuple[str, str], tuple[int, float]] = {}
+    for tid, asked in calls.items():
+        todo = sorted(frames.get(tid, []), key=lambda f: (f[0], -f[1]))
+        stack: list[tuple[float, float, str]] = []
+        i = 0
+        for ts, dur, name in sorted(asked):
+            while i < len(todo) and todo[i][0] <= ts:
+                while stack and stack[-1][1] < todo[i][0]:
+                    stack.pop()
+                stack.append(todo[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            around = [f for _, b, f in reversed(stack) if b >= ts]
+            ours = [f for f in around if any(root in f for root in _PROJECT_ROOTS)]
+            callers = " <- ".join((ours or around)[:depth]) or "?"
+            n, total = groups.get((name, callers), (0, 0.0))
+            groups[(name, callers)] = (n + 1, total + dur)
+    rows = [(name, callers, n / steps, total / 1e3 / steps) for (name, callers), (n, total) in groups.items()]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def write_launch_table(trace: dict, steps: int, path: Path, tag: str, top: int = 12) -> None:
     """The launch table of a trace as a tab-separated file, and its largest memset and
     small-kernel rows on stderr."""
@@ -669,7 +712,7 @@ def run_lightning(args: list[str], warmup: int, steps: int) -> dict:
 
 
 def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] = None, cprofile: bool = False,
-              tag: str = "plain") -> dict:
+              tag: str = "plain", stacks: bool = False) -> dict:
     cli = cli_main(args, run=False, save_config=False)
     module, data = cli.model, cli.datamodule
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -691,7 +734,7 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         if step == warmup:
             if profile:  # started before the clock: its start-up (tens of ms) is not a step's time
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                          torch.profiler.ProfilerActivity.CUDA])
+                                                          torch.profiler.ProfilerActivity.CUDA], with_stack=stacks)
                 prof.__enter__()
                 _sync()  # the trace holds the timed steps only
             frozen.pause()  # as in training: no garbage collection while the clock runs (SpeedrunTimer)
@@ -746,6 +789,10 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             traced = json.loads(trace.read_text())
             write_launch_table(traced, steps, out / f"{tag}-launchers.tsv", tag)
             write_idle_gaps(traced, steps, out / f"{tag}-idle.tsv", tag)
+            if stacks:
+                print(f"{tag}: blocking calls by their Python callers, per step (calls, host ms):", file=sys.stderr)
+                for name, callers, n, ms in blocking_callers(traced, steps)[:12]:
+                    print(f"{tag}:   {n:6.1f} {ms:8.2f}  {name}  {callers[:160]}", file=sys.stderr)
             print_host_phases(events, host, steps, tag)
         avg = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -791,6 +838,9 @@ def main() -> None:
                          "top ops, GPU busy vs wall time per step")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the plain loop with model.cuda_graphs=false and print captured/eager")
+    ap.add_argument("--stacks", action="store_true",
+                    help="with --profile: record Python stacks and name the Python callers of every blocking call "
+                         "(synchronizes, cudaFree, ...); the stacks slow the profiled steps")
     ap.add_argument("--cprofile", action="store_true",
                     help="Python profile (cProfile) of the plain loop's timed steps: where the host time goes")
     ap.add_argument("--against", default=None, metavar="OVERLAY",
@@ -812,6 +862,8 @@ def main() -> None:
         sys.exit(f"step_time: {exc}")
     if a.rounds < 1:
         sys.exit(f"step_time: --rounds {a.rounds}: give 1 or more")
+    if a.stacks and not a.profile:
+        sys.exit("step_time: --stacks names the callers in a profile: give --profile [DIR] too")
     variants = parse_variants(a.variant)
     if a.against and not Path(a.against).is_file():
         sys.exit(f"step_time: --against {a.against}: no such file (give a config overlay, e.g. "
@@ -828,7 +880,8 @@ def main() -> None:
 
     if a.child:
         if a.child in ("plain", "plain-eager", "against"):
-            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.tag or a.child)
+            result = run_plain(args, a.warmup, a.steps, profile=a.profile, cprofile=a.cprofile, tag=a.tag or a.child,
+                               stacks=a.stacks)
         else:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"], "queues": queues,

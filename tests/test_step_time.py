@@ -386,3 +386,46 @@ def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path):
     # every loop starts with main.py's launch queues; the variant's own environment gives it 1x (the
     # baseline tree's copy of the script sets the default too, inherited or its own)
     assert "launch queues (CUDA_SCALE_LAUNCH_QUEUES): plain 4x, baseline 4x, variant q1 1x" in out.stdout
+
+
+def test_blocking_calls_are_named_by_their_project_callers():
+    """The innermost project frames around each synchronize, on its own thread; torch frames only
+    where no project frame holds the call; per step."""
+    def frame(name, tid, ts, dur):
+        return {"ph": "X", "cat": "python_function", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    def call(name, tid, ts, dur):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur,
+                "args": {"correlation": ts}}
+
+    trace = {"traceEvents": [
+        frame("benchmarks/step_time.py(700): run_plain", 1, 0, 1000),
+        frame("nanogpt_pl/module.py(690): run_step", 1, 10, 500),
+        frame("nanogpt_pl/optim/staging.py(50): push", 1, 20, 100),
+        frame("torch/cuda/streams.py(227): synchronize", 1, 25, 90),
+        call("cudaEventSynchronize", 1, 30, 80),
+        frame("nanogpt_pl/capture.py(1029): step_done", 1, 600, 50),
+        call("cudaEventSynchronize", 1, 610, 20), call("cudaEventSynchronize", 1, 640, 4),
+        frame("torch/utils/data.py(10): fetch", 2, 0, 100),  # another thread: its own frames only
+        call("cudaFree", 2, 50, 6),
+        call("cudaLaunchKernel", 1, 35, 1),  # not a blocking call
+    ]}
+    rows = _step_time().blocking_callers(trace, steps=2, depth=2)
+    assert rows == [
+        ("cudaEventSynchronize", "nanogpt_pl/optim/staging.py(50): push <- nanogpt_pl/module.py(690): run_step",
+         0.5, 0.04),
+        ("cudaEventSynchronize", "nanogpt_pl/capture.py(1029): step_done <- benchmarks/step_time.py(700): run_plain",
+         1.0, 0.012),
+        ("cudaFree", "torch/utils/data.py(10): fetch", 0.5, 0.003),
+    ]
+
+
+def test_stacks_without_a_profile_is_one_clear_error():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--stacks"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "step_time: --stacks names the callers in a profile: give --profile [DIR] too")
