@@ -12,7 +12,7 @@ first initializes CUDA. ``main.py`` and ``benchmarks/step_time.py`` set it to
 :data:`DEFAULT_SCALE` at their start unless the environment already names one:
 ``CUDA_SCALE_LAUNCH_QUEUES=1x python main.py fit ...`` runs with the driver's default queues (the
 way back should a driver or GPU misbehave with larger ones: llama.cpp reverted its own 4x default
-after hangs on a Jetson, ggml-org/llama.cpp#19227). Drivers that do not know the variable ignore it.
+after hangs on a Jetson, ggml-org/llama.cpp#19227).
 """
 
 from __future__ import annotations
