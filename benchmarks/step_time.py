@@ -92,7 +92,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -508,6 +508,24 @@ _PROJECT_ROOTS = ("nanogpt_pl/", "callbacks/", "benchmarks/")
 SMALL_KERNEL_US = 8.0  # "small": a launch gap (about a microsecond inside a graph) is a large share of it
 
 
+def spans_around(spans: list[tuple], asked: list[tuple]) -> Iterator[tuple[tuple, list[tuple]]]:
+    """For each query ``(time, ...)`` of ``asked``, in time order, the spans ``(start, end, ...)`` of one
+    thread that hold its time, outermost first: one sweep over the spans, which nest."""
+    todo = sorted(spans, key=lambda sp: (sp[0], -sp[1]))
+    stack: list[tuple] = []
+    i = 0
+    for query in sorted(asked, key=lambda q: q[0]):
+        ts = query[0]
+        while i < len(todo) and todo[i][0] <= ts:
+            while stack and stack[-1][1] < todo[i][0]:
+                stack.pop()
+            stack.append(todo[i])
+            i += 1
+        while stack and stack[-1][1] < ts:
+            stack.pop()
+        yield query, [sp for sp in stack if sp[1] >= ts]
+
+
 def _traced_gpu_events(trace: dict) -> list[tuple[dict, Any, str, str, str, str]]:
     """Every GPU kernel, memset and copy of a Chrome trace with its launch: ``(event, correlation id,
     launching runtime call, launching op, the op around it, phase)`` (see :func:`trace_launches`)."""
@@ -531,19 +549,9 @@ def _traced_gpu_events(trace: dict) -> list[tuple[dict, Any, str, str, str, str]
         queries.setdefault(tid, []).append((ts, corr))
     chains: dict[Any, tuple[str, str, str]] = {}
     for tid, asked in queries.items():
-        todo = sorted(spans.get(tid, []), key=lambda s: (s[0], -s[1]))
-        stack: list[tuple[float, float, str, bool]] = []
-        i = 0
-        for ts, corr in sorted(asked, key=lambda q: q[0]):
-            while i < len(todo) and todo[i][0] <= ts:
-                while stack and stack[-1][1] < todo[i][0]:
-                    stack.pop()
-                stack.append(todo[i])
-                i += 1
-            while stack and stack[-1][1] < ts:
-                stack.pop()
-            ops = [name for a, b, name, is_op in stack if is_op and b >= ts]
-            phases = [name for a, b, name, is_op in stack if not is_op and b >= ts]
+        for (_, corr), around in spans_around(spans.get(tid, []), asked):
+            ops = [name for _, _, name, is_op in around if is_op]
+            phases = [name for _, _, name, is_op in around if not is_op]
             chains[corr] = (ops[-1] if ops else "?", ops[-2] if len(ops) > 1 else "", phases[-1] if phases else "?")
     out = []
     for e in gpu:
@@ -657,18 +665,8 @@ def blocking_callers(trace: dict, steps: int, depth: int = 3) -> list[tuple[str,
             calls.setdefault(e["tid"], []).append((float(e["ts"]), float(e.get("dur", 0.0)), name))
     groups: dict[tuple[str, str], tuple[int, float]] = {}
     for tid, asked in calls.items():
-        todo = sorted(frames.get(tid, []), key=lambda f: (f[0], -f[1]))
-        stack: list[tuple[float, float, str]] = []
-        i = 0
-        for ts, dur, name in sorted(asked):
-            while i < len(todo) and todo[i][0] <= ts:
-                while stack and stack[-1][1] < todo[i][0]:
-                    stack.pop()
-                stack.append(todo[i])
-                i += 1
-            while stack and stack[-1][1] < ts:
-                stack.pop()
-            around = [f for _, b, f in reversed(stack) if b >= ts]
+        for (_, dur, name), spans in spans_around(frames.get(tid, []), asked):
+            around = [f for _, _, f in reversed(spans)]
             ours = [f for f in around if any(root in f for root in _PROJECT_ROOTS)]
             callers = " <- ".join((ours or around)[:depth]) or "?"
             n, total = groups.get((name, callers), (0, 0.0))
