@@ -221,6 +221,21 @@ torch.serialization.add_safe_globals([GPTConfig, OptimConfig, AdamGroup, Backend
 COMPILE_RECOMPILE_LIMIT = 64
 
 
+def check_compile_options(options: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``model.compile_options`` as a dict, each name checked against ``torch._inductor.config``
+    (one line naming the unknown option; inductor itself would only say so at the first compile)."""
+    options = dict(options or {})
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(f"model.compile_options: {', '.join(map(repr, unknown))} "
+                         f"{'is not an inductor option' if len(unknown) == 1 else 'are not inductor options'} "
+                         "(torch._inductor.config names them, e.g. combo_kernels); remove or correct it")
+    return options
+
+
 def _host_copy(obj: Any) -> Any:
     """A deep copy of a (nested) state dict with every tensor copied to host memory.
 
@@ -256,6 +271,8 @@ class SpeedrunModule(L.LightningModule):
             as custom operators (their weight caches refreshed eagerly before each forward).
         fp8_graph_breaks: with ``compile``, end the compiled graph at every FP8 layer instead (the layers
             run eagerly between compiled pieces, as before the custom operators), for comparison.
+        compile_options: with ``compile``, inductor options for the model's compile (``torch.compile``'s
+            ``options``), e.g. ``{combo_kernels: true}``; names are checked against ``torch._inductor.config``.
         param_dtype: ``auto`` (bf16 matrices and embeddings on CUDA, fp32 on CPU), ``bfloat16``
             or ``float32``. Scalars always stay fp32.
         cuda_graphs: on a GPU, capture forward, loss and backward of each micro-batch as a CUDA
@@ -277,6 +294,7 @@ class SpeedrunModule(L.LightningModule):
         cuda_graphs: bool = False,
         fp8_graph_breaks: bool = False,
         cuda_graphs_fp8_refresh: bool = True,
+        compile_options: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -287,6 +305,7 @@ class SpeedrunModule(L.LightningModule):
         self.backends = backends
         self.compile = compile
         self.fp8_graph_breaks = fp8_graph_breaks
+        self.compile_options = check_compile_options(compile_options)
         check_backend(backends.loss)
         check_opt_in("ngram", backends.ngram)
         if param_dtype not in ("auto", "bfloat16", "float32"):
@@ -363,7 +382,7 @@ class SpeedrunModule(L.LightningModule):
                 if hasattr(m, "graph_break"):  # the FP8 layer states (nanogpt_pl.ops.fp8)
                     m.graph_break = self.fp8_graph_breaks
             # compiled in place: the module keeps its parameters, so state_dict keys stay the same
-            self.model.compile(dynamic=False)
+            self.model.compile(dynamic=False, options=self.compile_options or None)
 
     def _check_gpu_options(self, device: torch.device) -> None:
         """A trainer run off CUDA rejects the options that are for a GPU (a plain loop calling

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from train_helpers import LossRecorder, make_run, make_trainer, tiny_optim, tiny_schedule
@@ -87,6 +88,18 @@ def test_compile_in_place_keeps_the_state_dict_keys(toy_files):
     assert plain.model._compiled_call_impl is None
     assert list(compiled.state_dict()) == list(plain.state_dict())
     compiled.load_state_dict(plain.state_dict())  # checkpoints move between the two
+
+
+def test_compile_options_reach_inductor_and_an_unknown_one_is_one_line(toy_files):
+    module, _ = make_run(toy_files, tiny_schedule(4), compile=True, compile_options={"combo_kernels": True})
+    module.prepare_for_training(torch.device("cpu"))
+    config = module.model._compiled_call_impl.get_compiler_config()  # what inductor compiles with
+    assert config["combo_kernels"] is True
+    plain, _ = make_run(toy_files, tiny_schedule(4), compile=True)
+    plain.prepare_for_training(torch.device("cpu"))
+    assert plain.model._compiled_call_impl.get_compiler_config()["combo_kernels"] is False
+    with pytest.raises(ValueError, match=r"^model.compile_options: 'combo_kernel' is not an inductor option"):
+        make_run(toy_files, tiny_schedule(4), compile=True, compile_options={"combo_kernel": True})
 
 
 def test_micro_batches_normalises_a_step_batch():
