@@ -264,3 +264,99 @@ def test_probe_follows_the_buffer_when_the_state_moves():
     state.invalidate()
     fp8_mlp(normed(16, 32, gen) * 2, w1, w2, state).sum().backward()
     assert state.dpre_amax.item() > 0
+
+
+# -- one quantized input for several layers (RECORD §2/§7: layers 8 and 10 share one quantize) -------
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gain", [False, True])
+def test_opcheck_shared_input_operators(seed, gain):
+    gen = torch.Generator().manual_seed(seed)
+    state = Fp8LinearState(backend="reference")
+    parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
+    cache = state.refresh(parts)
+    x = normed(20, 32, gen).requires_grad_()
+    torch.library.opcheck(fp8_ops.fp8_quant_input_op, (x.detach(), state._x_inv, state._kern_id),
+                          test_utils=("test_faketensor",))
+    xq, xt = fp8_ops.fp8_quant_input_op(x.detach(), state._x_inv, state._kern_id)
+    lam = (0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None
+    args = (x, xq, xt, parts, cache.row, cache.col, state.x_scale, state.w_scale, state.grad_scale, state._grad_inv,
+            state._kern_id, state.grad_dtype, lam)
+    torch.library.opcheck(fp8_ops.fp8_linear_q_op, args, test_utils=OPCHECKS)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gain", [False, True])
+def test_a_shared_quantized_input_changes_no_number(seed, gain):
+    """Two layers reading one input quantized once (operator and eager twin) give every output and
+    gradient of the same two layers quantizing it each, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    states = [Fp8LinearState(backend="reference"), Fp8LinearState(backend="reference")]
+    weights = [[fc_init(48, 32, gen), fc_init(16, 32, gen)], [fc_init(64, 32, gen)]]
+    lams = [(0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None for _ in states]
+    x0 = normed(20, 32, gen) * 2
+    gs = [torch.randn(20, 64, generator=gen) for _ in states]
+    caches = [st.refresh(w) for st, w in zip(states, weights)]
+    got = {}
+    for how in ("each", "shared_op", "shared_eager"):
+        x = x0.clone().requires_grad_()
+        for t in [*weights[0], *weights[1], *lams]:
+            if t is not None:
+                t.grad = None
+        if how == "each":
+            ys = [fp8_linear(x, w, st, gain=lam) for w, st, lam in zip(weights, states, lams)]
+        else:
+            q = states[0].quantize_input(x)
+            assert q.xq.dtype == torch.float8_e4m3fn and q.x is x
+            call = fp8_ops.fp8_linear_q_op if how == "shared_op" else fp8_ops.fp8_linear_q_call
+            ys = [call(x, q.xq, q.xt, list(w), c.row, c.col, q.x_scale, st.w_scale, st.grad_scale, st._grad_inv,
+                       st._kern_id, st.grad_dtype, lam)
+                  for w, st, lam, c in zip(weights, states, lams, caches)]
+            want = "_EagerLinearQBackward" if how == "shared_eager" else "GeneratedBackwardFor_nanogpt_pl_fp8_linear_q"
+            assert _producer(ys[1]).startswith(want)
+        sum((y * g).sum() for y, g in zip(ys, gs)).backward()
+        got[how] = [*ys, x.grad, *(p.grad for w in weights for p in w), *(lam.grad for lam in lams if gain)]
+    for how in ("shared_op", "shared_eager"):
+        for i, (a, b) in enumerate(zip(got["each"], got[how])):
+            assert torch.equal(a, b), (how, i)
+    # through the layer function
+    x = x0.clone().requires_grad_()
+    y = fp8_linear(x, weights[1], states[1], gain=lams[1], quantized=states[0].quantize_input(x))
+    assert torch.equal(y, got["each"][1])
+    with pytest.raises(ValueError, match="quantized.x"):
+        fp8_linear(x0.clone(), weights[1], states[1], quantized=states[0].quantize_input(x))
+
+
+def test_record_layers_8_and_10_read_one_quantize_and_it_changes_no_number(monkeypatch):
+    """RECORD §2/§7: layers 8 and 10 attend over norm(cache[7]), quantized once. In the record network
+    both get the same quantized input, the QKV quantizes one input fewer, and loss and gradients are
+    those of the network quantizing it for each layer, bit for bit."""
+    model = _record_model(0)
+    readers = [i for i, b in enumerate(model.blocks) if b.attn is not None and i > model.cfg.attn_input_cache]
+    assert readers == [8, 10]
+    seen = {}
+    for i in readers:
+        model.blocks[i].attn.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0]))
+    quant_calls = []
+    real = fp8_ops._quant_input
+    monkeypatch.setattr(fp8_ops, "_quant_input", lambda *a: quant_calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    n = 256
+    ids = torch.randint(0, 50000, (n,), generator=gen)
+    cu = torch.tensor([0, 37, 180, n], dtype=torch.int32)
+    target = torch.randn(n, model.cfg.model_dim, generator=gen)
+    got = []
+    for shared in (True, False):
+        if not shared:  # every reader quantizes the normed cache itself
+            monkeypatch.setattr(GPT, "_cache_attn_input", lambda self, normed: normed)
+        model.refresh_fp8()
+        model.zero_grad(set_to_none=True)
+        loss = (model(ids, cu, 143, (64, 128)).float() * target).mean()
+        loss.backward()
+        got.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+        if shared:
+            assert seen[8] is seen[10] and not isinstance(seen[8], torch.Tensor)
+            assert len(quant_calls) == 1
+        else:
+            assert isinstance(seen[8], torch.Tensor) and seen[8] is seen[10]
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)

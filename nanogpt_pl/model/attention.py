@@ -384,7 +384,16 @@ class CausalSelfAttention(nn.Module):
         if self.spec.fp8_qkv and self.training:
             self.fp8_state.refresh(self._fp8_blocks())
 
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def quantize_input(self, x: Tensor) -> Any:
+        """``x`` with its FP8 copies at this layer's input scale (an ``ops.fp8.QuantizedInput``), for
+        every layer that reads ``x`` to pass as its input; ``x`` itself where the QKV is not FP8."""
+        if not (self.spec.fp8_qkv and self.training):
+            return x
+        if not torch.compiler.is_compiling():
+            self.refresh_fp8()  # a compiled forward reads the cache as refresh_fp8() left it
+        return self.fp8_state.quantize_input(x)
+
+    def _qkv(self, x: Tensor, quantized: Any = None) -> tuple[Tensor, Tensor, Tensor]:
         s, n = self.spec, x.shape[0]
         parts = (live_rows(self.qk_w[0], s.num_heads, s.d_qk), live_rows(self.qk_w[1], s.num_heads, s.d_qk),
                  live_rows(self.v_w, s.num_heads, s.d_v))
@@ -394,7 +403,8 @@ class CausalSelfAttention(nn.Module):
         if s.fp8_qkv and self.training:
             from ..ops.fp8 import fp8_linear  # FP8 (and Triton) load only when used
 
-            qkv = fp8_linear(x, self._fp8_blocks(), self.fp8_state, gain=lam)  # λ₀ in the GEMMs' scales
+            # λ₀ in the GEMMs' scales
+            qkv = fp8_linear(x, self._fp8_blocks(), self.fp8_state, gain=lam, quantized=quantized)
         else:
             qkv = x @ (torch.cat(parts) * lam).type_as(x).t()
         hq = s.num_heads * s.d_qk
@@ -410,7 +420,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        x: Any,
         ctx: Any,
         ve: Optional[Tensor] = None,
         extra_v: Optional[Tensor] = None,
@@ -418,14 +428,17 @@ class CausalSelfAttention(nn.Module):
         gate: Optional[Tensor] = None,
         o_gain: Optional[Tensor] = None,
     ) -> Tensor:
-        """``x``: the normed attention input ``[N, D]``; ``ctx``: the GPT's packed context.
+        """``x``: the normed attention input ``[N, D]``, or it quantized once for several layers
+        (:meth:`quantize_input`); ``ctx``: the GPT's packed context.
 
         ``ve`` is gated by this layer's own VE gate; ``extra_v`` ``[N, H, head_dim]`` is added to
         the values as is (layer 10's MUDD values). ``xsa_alpha`` ``[N, H]`` and ``gate`` ``[N, H]``
         are the MUDD gates when ``dynamic_gates``. ``o_gain`` (the post-lambda) multiplies W_O.
         """
+        quantized = None if isinstance(x, Tensor) else x
+        x = x if quantized is None else quantized.x
         s, n = self.spec, x.shape[0]
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, quantized)
         q, k = F.rms_norm(q, (s.d_qk,), eps=QK_NORM_EPS), F.rms_norm(k, (s.d_qk,), eps=QK_NORM_EPS)
         cos, sin = (ctx.rotary_paired if s.paired else ctx.rotary)[s.chain]
         cos, sin = cos[..., : s.d_qk // 2], sin[..., : s.d_qk // 2]

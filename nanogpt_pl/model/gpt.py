@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -373,7 +373,7 @@ class Block(nn.Module):
         out = self.mlp(h)
         return out if self.parallel_mlp is None else out + self.parallel_mlp(h)
 
-    def forward(self, x: Tensor, attn_in: Optional[Tensor], ctx: PackedContext, ve: Optional[Tensor],
+    def forward(self, x: Tensor, attn_in: Any, ctx: PackedContext, ve: Optional[Tensor],
                 x0: Tensor, x0_ngram: Optional[Tensor], gates: LayerGates) -> Tensor:
         rho = self.resid_lambdas.type_as(x)
         post = self.post_lambdas.type_as(x) if self.post_lambdas is not None else None
@@ -530,6 +530,7 @@ class GPT(nn.Module):
                            for layer, table in zip(cfg.value_embed_layers, self.value_embeds)}
         cache, keep = {0: x}, cfg.cache_layers()
         normed_cache: Optional[Tensor] = None  # norm(cache[attn_input_cache]), shared by its readers
+        cache_attn_in: Any = None  # what those readers take: normed_cache, quantized once if they run FP8
         last_mlp_input: Optional[Tensor] = None
         for i, block in enumerate(self.blocks):
             if self.mudd is not None and i == POST_GATE_INPUT_LAYER:
@@ -545,7 +546,8 @@ class GPT(nn.Module):
                 if cfg.attn_input_cache is not None and i > cfg.attn_input_cache:
                     if normed_cache is None:
                         normed_cache = rms_norm(cache[cfg.attn_input_cache])
-                    attn_in = normed_cache
+                        cache_attn_in = self._cache_attn_input(normed_cache)
+                    attn_in = cache_attn_in
                 else:
                     attn_in = rms_norm(x)
             if cfg.mixed_layer(i):
@@ -569,7 +571,14 @@ class GPT(nn.Module):
             x = self.mudd.final(x, sources)
         return rms_norm(x)
 
-    def _mixed_layer(self, block: Block, x: Tensor, attn_in: Tensor, ctx: PackedContext,
+    def _cache_attn_input(self, normed: Tensor) -> Any:
+        """The input of the attention layers that read ``norm(cache[attn_input_cache])``: with FP8 QKV
+        in training and several readers, quantized once by the first (RECORD §2/§7: layers 8 and 10
+        share one quantize); else ``normed`` itself."""
+        readers = [b.attn for b in self.blocks[self.cfg.attn_input_cache + 1:] if b.attn is not None]
+        return readers[0].quantize_input(normed) if len(readers) > 1 else normed
+
+    def _mixed_layer(self, block: Block, x: Tensor, attn_in: Any, ctx: PackedContext,
                      ve_of_layer: dict[int, Tensor], cache: dict[int, Tensor], x0_ngram: Optional[Tensor],
                      gates: dict[str, dict[int, Tensor]]) -> tuple[Tensor, Tensor]:
         """RECORD §2 "MUDD at layer 10": 14 coefficients μ from the stream entering the layer.

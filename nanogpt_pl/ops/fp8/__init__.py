@@ -42,7 +42,7 @@ from .formats import (
     quantize,
 )
 from .head import Fp8Head
-from .linear import Fp8LinearState, fp8_linear
+from .linear import Fp8LinearState, QuantizedInput, fp8_linear
 from .mlp import DEFAULT_RELU2_KERNEL, RELU2_KERNELS, Fp8MLPState, fp8_mlp
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "Fp8Head",
     "Fp8LinearState",
     "Fp8MLPState",
+    "QuantizedInput",
     "check_backend",
     "fp8_available",
     "fp8_linear",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
@@ -21,7 +22,22 @@ from .formats import (
     RECORD_QKV_X_SCALE,
     WEIGHT_AMAX_FLOOR,
 )
-from .ops import fp8_linear_call, kernel_id
+from .ops import fp8_linear_call, fp8_linear_q_call, fp8_quant_input_call, kernel_id
+
+
+@dataclass
+class QuantizedInput:
+    """An activation and its two FP8 copies, made once for every FP8 linear layer that reads it
+    (RECORD §2/§7: layers 8 and 10 read norm(cache[7]), quantized once).
+
+    ``x_scale`` is the dequantization scale the copies were made at (the quantizing layer's); every
+    reader's GEMMs dequantize with it. Build it with :meth:`Fp8LinearState.quantize_input`.
+    """
+
+    x: Tensor
+    xq: Tensor
+    xt: Tensor
+    x_scale: Tensor
 
 
 class Fp8LinearState(Fp8State):
@@ -118,6 +134,16 @@ class Fp8LinearState(Fp8State):
         self._count_refresh()
         return self._cache
 
+    def quantize_input(self, x: Tensor) -> QuantizedInput:
+        """``x`` [n, in] with its FP8 copies at this layer's input scale, for several layers to read
+        (``fp8_linear(..., quantized=...)``). The layer's cache must have been refreshed (the
+        backend and the reciprocal scales are set there)."""
+        if self._cache is None:
+            raise RuntimeError(f"{self.config_key}: quantize_input before the layer's first refresh; "
+                               "refresh its weight cache first (state.refresh or the model's refresh_fp8())")
+        xq, xt = fp8_quant_input_call(x, self._x_inv, self._kern_id)
+        return QuantizedInput(x, xq, xt, self.x_scale)
+
     def _refresh_with(self, weights: tuple, kern: Any) -> None:
         self.cache_for(weights, kern)
 
@@ -134,7 +160,7 @@ def _as_parts(weight: Union[Tensor, Sequence[Tensor]]) -> tuple[Tensor, ...]:
 
 
 def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8LinearState,
-               gain: Optional[Tensor] = None) -> Tensor:
+               gain: Optional[Tensor] = None, quantized: Optional[QuantizedInput] = None) -> Tensor:
     """``x @ (gain·weight)ᵀ`` with e4m3 operands forward and the state's gradient format backward.
 
     Args:
@@ -146,6 +172,9 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
         gain: a 0-dim scalar on the weight (the QKV's λ₀), or None. In training it is folded into
             the GEMMs' scales, and its gradient is ⟨dW, W⟩ over the weight (RECORD §7), not a
             pass over the ``[..., out]`` output.
+        quantized: ``x`` already quantized (:meth:`Fp8LinearState.quantize_input`, ``x`` 2-D and
+            ``quantized.x`` itself): the GEMMs read its copies at its scale instead of quantizing
+            ``x`` again. Ignored outside training and with ``state.graph_break``.
 
     Returns:
         ``[..., out]`` in ``x.dtype``.
@@ -163,6 +192,12 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
     if state.graph_break and torch.compiler.is_compiling():
         return _fp8_linear_outside_graph(x, weight, state, gain)
     cache = state.current_cache() if torch.compiler.is_compiling() else state.refresh(parts)
+    if quantized is not None:
+        if quantized.x is not x:
+            raise ValueError("fp8_linear: `quantized` holds another tensor than x; pass x as quantized.x")
+        return fp8_linear_q_call(x, quantized.xq, quantized.xt, list(parts), cache.row, cache.col, quantized.x_scale,
+                                 state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype,
+                                 gain)
     lead = x.shape[:-1]
     y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), *state.operator_args(cache), gain)
     return y.reshape(*lead, y.shape[-1])

@@ -146,7 +146,8 @@ def _linear_setup(ctx, inputs, output) -> None:
     ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
 
 
-def _linear_backward(ctx, gy: Tensor, gxt: Tensor, backward=fp8_linear_backward):
+def _linear_grads(ctx, gy: Tensor, backward) -> tuple[Tensor, list[Tensor], Optional[Tensor]]:
+    """``(dx, the weight blocks' gradients, the gain's gradient)`` of either linear operator."""
     xt, w_col, x_scale, w_scale, grad_scale, grad_inv, gain, *parts = ctx.saved_tensors
     # dx = gy @ (gain·W): the gain in the GEMM's scale; dW comes out without it (gyᵀx)
     dx, dw = backward(gy.contiguous(), xt, w_col, x_scale, _gained(w_scale, gain), grad_scale, grad_inv, ctx.kern,
@@ -162,6 +163,11 @@ def _linear_backward(ctx, gy: Tensor, gxt: Tensor, backward=fp8_linear_backward)
     for size, dtype in ctx.part_meta:
         dparts.append(dw[start:start + size].to(dtype))
         start += size
+    return dx, dparts, dgain
+
+
+def _linear_backward(ctx, gy: Tensor, gxt: Tensor, backward=fp8_linear_backward):
+    dx, dparts, dgain = _linear_grads(ctx, gy, backward)
     return dx, dparts, None, None, None, None, None, None, None, None, None, dgain
 
 
@@ -198,6 +204,101 @@ def fp8_linear_call(x: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor
                              gain)
     return _EagerLinear.apply(x, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype,
                               gain, *parts)
+
+
+# -- one quantized input for several linear layers ------------------------------------------------
+# RECORD §2/§7: layers 8 and 10 both read norm(cache[7]), and the record quantizes it once. The
+# input's two FP8 copies come from one operator; each layer's GEMMs then read them through
+# ``fp8_linear_q``, which differs from ``fp8_linear`` only in taking the copies as inputs.
+def _quant_input(x: Tensor, x_inv: Tensor, kern: int) -> tuple[Tensor, Tensor]:
+    """``(x e4m3 [rows, in], xᵀ e4m3 [in, rows])`` at ``x_inv``, rows padded for the backend's GEMMs."""
+    k, rows = _backend(kern, x.shape[0])
+    with torch.autocast(x.device.type, enabled=False):
+        xq, xt = k.quant(x, x_inv, E4M3, rows, want_row=True, want_t=True)
+    xq = _own(xq)
+    return xq, _own(xt, xq)
+
+
+fp8_quant_input_op = torch.library.custom_op("nanogpt_pl::fp8_quant_input", mutates_args=())(_quant_input)
+
+
+@fp8_quant_input_op.register_fake
+def _(x, x_inv, kern):
+    _, rows = _backend(kern, x.shape[0])
+    return _fp8_t(rows, x.shape[1], x, E4M3), _fp8_t(x.shape[1], rows, x, E4M3)
+
+
+def fp8_quant_input_call(x: Tensor, x_inv: Tensor, kern: int) -> tuple[Tensor, Tensor]:
+    """The input's two FP8 copies (no gradient flows through them: the layers' operators take ``x`` too)."""
+    x = x.detach()
+    if torch.compiler.is_compiling():
+        return fp8_quant_input_op(x, x_inv, kern)
+    return _quant_input(x, x_inv, kern)
+
+
+def _linear_q_forward(x: Tensor, xq: Tensor, xt: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor,
+                      x_scale: Tensor, w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
+                      grad_dtype: torch.dtype, gain: Optional[Tensor]) -> Tensor:
+    """``y [n, out]`` in x's dtype from the quantized input ``xq`` (``x`` itself only receives the
+    gradient, and ``xt`` is kept for the weight's)."""
+    n = x.shape[0]
+    k, _ = _backend(kern, n)
+    with torch.autocast(x.device.type, enabled=False):
+        y = k.mm(xq, w_row, x_scale, _gained(w_scale, gain), x.dtype, True)
+    return _unpadded(y, n)
+
+
+fp8_linear_q_op = torch.library.custom_op("nanogpt_pl::fp8_linear_q", mutates_args=())(_linear_q_forward)
+
+
+@fp8_linear_q_op.register_fake
+def _(x, xq, xt, parts, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain):
+    return x.new_empty((x.shape[0], w_row.shape[0]))
+
+
+def _linear_q_setup(ctx, inputs, output) -> None:
+    x, xq, xt, parts, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain = inputs
+    ctx.save_for_backward(xt, w_col, x_scale, w_scale, grad_scale, grad_inv, gain,
+                          *(parts if gain is not None else ()))
+    ctx.kern, ctx.grad_dtype = kern, grad_dtype
+    ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
+
+
+def _linear_q_backward(ctx, gy: Tensor, backward=fp8_linear_backward):
+    dx, dparts, dgain = _linear_grads(ctx, gy, backward)
+    return (dx, None, None, dparts) + (None,) * 8 + (dgain,)
+
+
+fp8_linear_q_op.register_autograd(_linear_q_backward, setup_context=_linear_q_setup)
+
+
+class _EagerLinearQ(torch.autograd.Function):
+    """``fp8_linear_q_op`` without the dispatcher, for eager calls (as ``_EagerLinear``)."""
+
+    @staticmethod
+    def forward(ctx, x, xq, xt, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain,
+                *parts):
+        inputs = (x, xq, xt, list(parts), w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype,
+                  gain)
+        y = _linear_q_forward(*inputs)
+        _linear_q_setup(ctx, inputs, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        dx, dparts, dgain = _linear_grads(ctx, gy, _linear_backward_impl)
+        return (dx,) + (None,) * 10 + (dgain,) + tuple(dparts)
+
+
+def fp8_linear_q_call(x: Tensor, xq: Tensor, xt: Tensor, parts: list[Tensor], w_row: Tensor, w_col: Tensor,
+                      x_scale: Tensor, w_scale: Tensor, grad_scale: Tensor, grad_inv: Tensor, kern: int,
+                      grad_dtype: torch.dtype, gain: Optional[Tensor]) -> Tensor:
+    """``fp8_linear_q_op``'s result: through the operator when compiling, else its eager twin."""
+    if torch.compiler.is_compiling():
+        return fp8_linear_q_op(x, xq, xt, parts, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern,
+                               grad_dtype, gain)
+    return _EagerLinearQ.apply(x, xq, xt, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype,
+                               gain, *parts)
 
 
 # -- MLP: relu(x @ w_fcᵀ)² @ w_proj -------------------------------------------------------------------
