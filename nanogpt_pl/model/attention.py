@@ -387,8 +387,8 @@ class CausalSelfAttention(nn.Module):
     def quantize_input(self, x: Tensor) -> Any:
         """``x`` with its FP8 copies at this layer's input scale (an ``ops.fp8.QuantizedInput``), for
         every layer that reads ``x`` to pass as its input; ``x`` itself where the QKV is not FP8."""
-        if not (self.spec.fp8_qkv and self.training):
-            return x
+        if not (self.spec.fp8_qkv and self.training) or self.fp8_state.graph_break:
+            return x  # (with graph breaks at the FP8 layers, each quantizes its own input)
         if not torch.compiler.is_compiling():
             self.refresh_fp8()  # a compiled forward reads the cache as refresh_fp8() left it
         return self.fp8_state.quantize_input(x)
