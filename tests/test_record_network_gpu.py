@@ -58,3 +58,27 @@ def test_training_step_with_fp8_on_the_gpu():
     assert torch.isfinite(h).all()
     narrow = model.blocks[0].attn
     assert not narrow.qk_w.grad.view(2, 6, 128, -1)[:, :, 64:].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layers_8_and_10_share_one_quantize_bit_for_bit_on_the_gpu(seed, monkeypatch):
+    """RECORD §2/§7: norm(cache[7]) quantized once for layers 8 and 10 (the fast path: the Triton
+    quantize pass and ``_scaled_mm``) gives the output of quantizing it per layer bit for bit, and
+    the same gradients (to within the run-to-run order of the backward's atomic sums)."""
+    model = build("auto", fp8_mlp=True, fp8_qkv=True).bfloat16().train()
+    gen = torch.Generator().manual_seed(seed)
+    n = 32768
+    ids = torch.randint(0, 512, (n,), generator=gen).cuda()
+    cu = torch.tensor([0, 1000, 17000, n], dtype=torch.int32).cuda()
+    g = torch.randn(n, model.cfg.model_dim, generator=gen).cuda().bfloat16()
+    got = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(GPT, "_cache_attn_input", lambda self, normed: normed)
+        model.zero_grad(set_to_none=True)
+        h = model(ids, cu, 16000, (128, 384))
+        (h.float() * g.float()).sum().backward()
+        got.append([h.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert torch.equal(got[0][0], got[1][0])
+    for a, b in zip(got[0][1:], got[1][1:], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-6)
