@@ -58,15 +58,21 @@ def test_opcheck_fp8_mlp_operators(seed):
                                                      torch.float32), test_utils=OPCHECKS)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("gain", [False, True])
-def test_opcheck_fp8_linear_operators(seed, gain):
+def linear_case(seed, gain):
+    """A reference-backend linear layer in two row blocks, its refreshed cache, an input and λ₀ (or None)."""
     gen = torch.Generator().manual_seed(seed)
     state = Fp8LinearState(backend="reference")
     parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
     cache = state.refresh(parts)
     x = normed(20, 32, gen).requires_grad_()
     lam = (0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None  # the QKV's λ₀
+    return gen, state, parts, cache, x, lam
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gain", [False, True])
+def test_opcheck_fp8_linear_operators(seed, gain):
+    gen, state, parts, cache, x, lam = linear_case(seed, gain)
     args = (x, parts, *state.operator_args(cache), lam)
     torch.library.opcheck(fp8_ops.fp8_linear_op, args, test_utils=OPCHECKS)
     y, xt = fp8_ops.fp8_linear_op(*args)
@@ -270,15 +276,10 @@ def test_probe_follows_the_buffer_when_the_state_moves():
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("gain", [False, True])
 def test_opcheck_shared_input_operators(seed, gain):
-    gen = torch.Generator().manual_seed(seed)
-    state = Fp8LinearState(backend="reference")
-    parts = [fc_init(48, 32, gen), fc_init(16, 32, gen)]
-    cache = state.refresh(parts)
-    x = normed(20, 32, gen).requires_grad_()
+    _, state, parts, cache, x, lam = linear_case(seed, gain)
     torch.library.opcheck(fp8_ops.fp8_quant_input_op, (x.detach(), state._x_inv, state._kern_id),
                           test_utils=("test_faketensor",))
     xq, xt = fp8_ops.fp8_quant_input_op(x.detach(), state._x_inv, state._kern_id)
-    lam = (0.5 + torch.rand((), generator=gen)).requires_grad_() if gain else None
     args = (x, xq, xt, parts, cache.row, cache.col, state.x_scale, state.w_scale, state.grad_scale, state._grad_inv,
             state._kern_id, state.grad_dtype, lam)
     torch.library.opcheck(fp8_ops.fp8_linear_q_op, args, test_utils=OPCHECKS)

@@ -137,13 +137,20 @@ def _(gy, xt, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, w
     return gy.new_empty((gy.shape[0], w_col.shape[0])), gy.new_empty((w_col.shape[1], w_col.shape[0]), dtype=w_dtype)
 
 
-def _linear_setup(ctx, inputs, output) -> None:
-    x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain = inputs
+def _save_linear(ctx, xt: Tensor, parts: list[Tensor], w_col: Tensor, x_scale: Tensor, w_scale: Tensor,
+                 grad_scale: Tensor, grad_inv: Tensor, kern: int, grad_dtype: torch.dtype,
+                 gain: Optional[Tensor]) -> None:
+    """What :func:`_linear_grads` reads, for either linear operator."""
     # with a gain, the weight itself too: the gain's gradient is ⟨dW, W⟩
-    ctx.save_for_backward(output[1], w_col, x_scale, w_scale, grad_scale, grad_inv, gain,
+    ctx.save_for_backward(xt, w_col, x_scale, w_scale, grad_scale, grad_inv, gain,
                           *(parts if gain is not None else ()))
     ctx.kern, ctx.grad_dtype = kern, grad_dtype
     ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, parts, w_row, w_col, x_scale, x_inv, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain = inputs
+    _save_linear(ctx, output[1], parts, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain)
 
 
 def _linear_grads(ctx, gy: Tensor, backward) -> tuple[Tensor, list[Tensor], Optional[Tensor]]:
@@ -258,10 +265,7 @@ def _(x, xq, xt, parts, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, ke
 
 def _linear_q_setup(ctx, inputs, output) -> None:
     x, xq, xt, parts, w_row, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain = inputs
-    ctx.save_for_backward(xt, w_col, x_scale, w_scale, grad_scale, grad_inv, gain,
-                          *(parts if gain is not None else ()))
-    ctx.kern, ctx.grad_dtype = kern, grad_dtype
-    ctx.part_meta = [(p.shape[0], p.dtype) for p in parts]
+    _save_linear(ctx, xt, parts, w_col, x_scale, w_scale, grad_scale, grad_inv, kern, grad_dtype, gain)
 
 
 def _linear_q_backward(ctx, gy: Tensor, backward=fp8_linear_backward):
