@@ -6,10 +6,10 @@ one place::
 
     model:
       backends: {attention: auto, fp8: auto, loss: auto, polar: auto, anvil: auto, adam: auto, ngram: auto,
-                 ngram_rows: auto, value_rows: auto}
+                 ngram_rows: auto, value_rows: auto, qk_rotary: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
-has not been shown faster than its reference in the step on a GPU (``ngram_rows``): there ``auto``
+has not been shown faster than its reference in the step on a GPU (``ngram_rows``, ``qk_rotary``): there ``auto``
 is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
@@ -98,6 +98,9 @@ class Backends:
             leaf (``nanogpt_pl.model.embeddings.gather_planes``): ``auto`` (``triton`` on CUDA),
             ``reference`` (autograd's atomic scatter) or ``triton`` (sorted by row, one atomic a run
             of equal rows).
+        qk_rotary: the per-head RMS norm of queries and keys, their rotary rotation and the key
+            offset (``nanogpt_pl.model.attention.qk_norm_rotary``): ``auto``, ``reference`` (the
+            PyTorch expressions, which inductor fuses) or ``triton`` (one pass forward, one backward).
     """
 
     attention: str = "auto"
@@ -109,3 +112,4 @@ class Backends:
     ngram: str = "auto"
     ngram_rows: str = "auto"
     value_rows: str = "auto"
+    qk_rotary: str = "auto"

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import resolve_opt_in
 from ..ops.triton import triton_usable
 from .rotary import apply_rotary
 
@@ -263,6 +264,21 @@ def shift_keys(k: Tensor) -> Tensor:
     return torch.cat([k[..., :half], upper], dim=-1)
 
 
+def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, key_offset: bool, backend: str = "reference"
+                   ) -> tuple[Tensor, Tensor]:
+    """RECORD §2 steps 3 and 4: the per-head RMS norm of q and k, the rotary rotation, and with
+    ``key_offset`` :func:`shift_keys`. ``backend`` is ``model.backends.qk_rotary``: ``triton`` runs
+    ``nanogpt_pl.ops.triton.qk_rotary`` (one pass forward, one backward); ``auto`` is, for now,
+    the reference: these PyTorch expressions, which inductor fuses."""
+    if resolve_opt_in("qk_rotary", backend, q.device, "the activations are") == "triton":
+        from ..ops.triton.qk_rotary import qk_norm_rotary_triton
+
+        return qk_norm_rotary_triton(q, k, cos, sin, QK_NORM_EPS, key_offset)
+    q, k = F.rms_norm(q, (q.shape[-1],), eps=QK_NORM_EPS), F.rms_norm(k, (k.shape[-1],), eps=QK_NORM_EPS)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, (shift_keys(k) if key_offset else k)
+
+
 def xsa(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
     """RECORD §2 step 6: y ← y − tanh(α)·((y·v)/‖v‖²)·v per token and head.
 
@@ -308,6 +324,8 @@ class AttentionSpec:
             otherwise each is a learned per-head parameter here.
         value_embed: the layer adds a gated value embedding to its values.
         backend: attention kernel (see :func:`resolve_backend`).
+        qk_rotary: the QK norm, rotary and key offset (``model.backends.qk_rotary``, see
+            :func:`qk_norm_rotary`).
         fp8_qkv: run the QKV projection in FP8.
         fp8_backend: FP8 backend.
         fp8_qkv_x_scale: static FP8 scale of the QKV input (None = the clip-free default of
@@ -328,6 +346,7 @@ class AttentionSpec:
     dynamic_gates: bool = False
     value_embed: bool = False
     backend: str = "auto"
+    qk_rotary: str = "auto"
     fp8_qkv: bool = False
     fp8_backend: str = "auto"
     fp8_qkv_x_scale: Optional[float] = None
@@ -439,12 +458,9 @@ class CausalSelfAttention(nn.Module):
         x = x if quantized is None else quantized.x
         s, n = self.spec, x.shape[0]
         q, k, v = self._qkv(x, quantized)
-        q, k = F.rms_norm(q, (s.d_qk,), eps=QK_NORM_EPS), F.rms_norm(k, (s.d_qk,), eps=QK_NORM_EPS)
         cos, sin = (ctx.rotary_paired if s.paired else ctx.rotary)[s.chain]
         cos, sin = cos[..., : s.d_qk // 2], sin[..., : s.d_qk // 2]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if s.key_offset:
-            k = shift_keys(k)
+        q, k = qk_norm_rotary(q, k, cos, sin, s.key_offset, s.qk_rotary)
         if ve is not None:
             v = v + self.gated_value_embed(x, ve)[..., : s.d_v]
         if extra_v is not None:

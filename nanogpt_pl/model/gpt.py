@@ -285,7 +285,7 @@ class GPTConfig:
             chain=self.chain(layer), paired=layer in self.paired_layers, key_offset=layer in self.key_offset_layers,
             xsa=layer in self.xsa_layers, gate=layer in self.attn_gate_layers, dynamic_gates=self.mudd,
             value_embed=layer in self.value_embed_layers and not self.mixed_layer(layer),
-            backend=backends.attention, fp8_qkv=self.fp8_qkv, fp8_backend=backends.fp8,
+            backend=backends.attention, qk_rotary=backends.qk_rotary, fp8_qkv=self.fp8_qkv, fp8_backend=backends.fp8,
             fp8_qkv_x_scale=self.fp8_qkv_x_scale, qkv_lambda_init=self.qkv_lambda_init,
         )
 
@@ -399,6 +399,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         backends = Backends() if backends is None else backends
         check_opt_in("value_rows", backends.value_rows)
+        check_opt_in("qk_rotary", backends.qk_rotary)
         self.value_rows_backend = backends.value_rows
         d = cfg.model_dim
         self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d) * LM_HEAD_INIT_STD)
