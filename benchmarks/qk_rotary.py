@@ -3,7 +3,10 @@
 Each layer kind of the record (RECORD §2) at a stage-1 micro-batch (32,768 tokens, RECORD §9),
 6 heads, bf16; q and k are views of the packed QKV projection ``[N, 2·H·d_qk + H·d_v]``, as in
 the model, and the step is ``torch.compile``d whole (the views, the op and the gradient's
-concatenation into the packed tensor) with the gradient of the packed tensor as its output:
+concatenation into the packed tensor) with the gradient of the packed tensor as its output, and
+replayed from a CUDA graph, as the training step runs it (``--no-graph`` times the calls as
+launched; a layer's few kernels then take less GPU time than the host takes to launch them, and
+the figures are the host's):
 
 - ``reference``: ``model.backends.qk_rotary: reference``, the PyTorch expressions that inductor
   fuses;
@@ -17,6 +20,7 @@ packed tensor's gradient (all of its columns), at the copy bandwidth measured in
     python benchmarks/qk_rotary.py                   # about a minute on an H100 (three compiles)
     python benchmarks/qk_rotary.py --tokens 49152    # stage 2
     python benchmarks/qk_rotary.py --block-t 32,64,128
+    python benchmarks/qk_rotary.py --no-graph        # launched from the host each call
 
 Without a GPU it prints that nothing was timed.
 """
@@ -44,11 +48,30 @@ KINDS = {  # name: (d_qk, d_v, tables per head, key offset), RECORD §2 "Per-lay
 }
 
 
+def graphed(step, leaf: torch.Tensor):
+    """``step`` captured in a CUDA graph after three calls on a side stream (the compiles, and
+    the allocator's warmup); returns the graph's replay. The leaf's gradient is allocated in
+    the capture and rewritten by every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            leaf.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (stage 1: 32,768)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--block-t", default="", help="also time these token tiles of the kernels (comma-separated)")
+    ap.add_argument("--no-graph", action="store_true", help="launch every call from the host instead of a CUDA graph")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/qk_rotary.py: no CUDA device; nothing timed")
@@ -68,20 +91,22 @@ def main() -> None:
             q, k = x[:, :hq].view(n, h, d), x[:, hq:2 * hq].view(n, h, d)
             return qk_norm_rotary(q, k, cos, sin, key_offset, backend)
 
-        times, steps = {}, {}
-        for backend in ("reference", "triton"):
-            fn = torch.compile(lambda x, b=backend: layer(x, b))
+        def timed(backend):
+            fn = torch.compile(lambda x: layer(x, backend))
 
-            def step(fn=fn):
+            def step():
                 qo, ko = fn(qkv)
                 torch.autograd.backward([qo, ko], [gq, gk])
 
-            steps[backend] = step
-            times[backend] = time_cuda(step, 3, args.iters, [qkv]).median_ms
+            if args.no_graph:
+                return time_cuda(step, 3, args.iters, [qkv]).median_ms
+            return time_cuda(graphed(step, qkv), 3, args.iters).median_ms
+
+        times = {backend: timed(backend) for backend in ("reference", "triton")}
         kept = kernels.TILES[d]
         for block in [int(b) for b in args.block_t.split(",") if b]:
-            kernels.TILES[d] = (block, kept[1])  # read at each call: the operator is opaque to the compile
-            times[f"triton block_t {block}"] = time_cuda(steps["triton"], 3, args.iters, [qkv]).median_ms
+            kernels.TILES[d] = (block, kept[1])  # read at each launch: captured anew for each tile
+            times[f"triton block_t {block}"] = timed("triton")
         kernels.TILES[d] = kept
         qk_bytes = n * 2 * hq * 2
         floor = 2 * qk_bytes + 2 * qk_bytes + qkv.numel() * 2  # fwd: read, write; bwd: read 2, write all columns

@@ -9,7 +9,7 @@ one place::
                  ngram_rows: auto, value_rows: auto, qk_rotary: auto}
 
 ``auto`` picks the fast path on a CUDA GPU and the reference elsewhere, except where a fast path
-has not been shown faster than its reference in the step on a GPU (``ngram_rows``, ``qk_rotary``): there ``auto``
+has not been shown faster than its reference in the step on a GPU (``ngram_rows``): there ``auto``
 is the reference and the fast path is chosen by name. The values are
 handed unchanged to the parts that resolve them; each part's own check names the choices it
 accepts (in one line naming ``model.backends.<part>``, with a pointer to ``reference`` for the
@@ -24,7 +24,7 @@ from typing import Union
 import torch
 
 # The choices of a part with one Triton path: ``ngram_rows`` takes it only when named
-# (:func:`resolve_opt_in`); ``anvil``, ``adam``, ``ngram`` and ``value_rows`` also for ``auto`` on a GPU
+# (:func:`resolve_opt_in`); ``anvil``, ``adam``, ``ngram``, ``value_rows`` and ``qk_rotary`` also for ``auto`` on a GPU
 # (:func:`resolve_fast_on_gpu`)
 OPT_IN_CHOICES = ("auto", "reference", "triton")
 
@@ -99,8 +99,9 @@ class Backends:
             ``reference`` (autograd's atomic scatter) or ``triton`` (sorted by row, one atomic a run
             of equal rows).
         qk_rotary: the per-head RMS norm of queries and keys, their rotary rotation and the key
-            offset (``nanogpt_pl.model.attention.qk_norm_rotary``): ``auto``, ``reference`` (the
-            PyTorch expressions, which inductor fuses) or ``triton`` (one pass forward, one backward).
+            offset (``nanogpt_pl.model.attention.qk_norm_rotary``): ``auto`` (``triton`` on CUDA),
+            ``reference`` (the PyTorch expressions, which inductor fuses) or ``triton`` (one pass
+            forward, one backward).
     """
 
     attention: str = "auto"

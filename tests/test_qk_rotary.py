@@ -24,7 +24,7 @@ from interpreter import INTERPRETED, interp, run_module_under_interpreter
 from seeds import fresh_seed
 
 from nanogpt_pl.backends import Backends
-from nanogpt_pl.model.attention import qk_norm_rotary
+from nanogpt_pl.model.attention import qk_norm_rotary, resolve_qk_rotary_backend
 
 BF16_STEP = 2.0**-8
 
@@ -190,10 +190,14 @@ def test_backend_choice_and_errors():
 
     from nanogpt_pl.model.gpt import GPT
 
+    assert resolve_qk_rotary_backend("auto", torch.device("cpu")) == "reference"
+    assert resolve_qk_rotary_backend("auto", torch.device("cuda")) == "triton"  # timed faster in the step
+    assert resolve_qk_rotary_backend("reference", torch.device("cuda")) == "reference"
     q = k = torch.randn(4, 2, 16)
     cos = sin = torch.randn(4, 8)
-    for backend in ("auto", "reference"):  # auto: the reference until timed faster in the step
-        qk_norm_rotary(q, k, cos, sin, False, backend)
+    want = qk_norm_rotary(q, k, cos, sin, False, "reference")
+    for got, ref in zip(qk_norm_rotary(q, k, cos, sin, False, "auto"), want):  # on CPU, auto is the reference
+        assert torch.equal(got, ref)
     with pytest.raises(RuntimeError, match=r"model\.backends\.qk_rotary='triton' needs a CUDA device"):
         qk_norm_rotary(q, k, cos, sin, False, "triton")
     with pytest.raises(ValueError, match=r"model\.backends\.qk_rotary='fast': choose one of auto, reference, triton"):

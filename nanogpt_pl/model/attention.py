@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backends import resolve_opt_in
+from ..backends import resolve_fast_on_gpu
 from ..ops.triton import triton_usable
 from .rotary import apply_rotary
 
@@ -264,13 +264,19 @@ def shift_keys(k: Tensor) -> Tensor:
     return torch.cat([k[..., :half], upper], dim=-1)
 
 
+def resolve_qk_rotary_backend(backend: str, device: torch.device) -> str:
+    """``model.backends.qk_rotary``: ``auto`` is the Triton pass on a CUDA device (a stage-1 step
+    1.020x and a stage-2 step 1.012x faster on an H100, BENCHMARKS.md) and the reference elsewhere."""
+    return resolve_fast_on_gpu("qk_rotary", backend, device, "the activations are")
+
+
 def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, key_offset: bool, backend: str = "reference"
                    ) -> tuple[Tensor, Tensor]:
     """RECORD §2 steps 3 and 4: the per-head RMS norm of q and k, the rotary rotation, and with
-    ``key_offset`` :func:`shift_keys`. ``backend`` is ``model.backends.qk_rotary``: ``triton`` runs
-    ``nanogpt_pl.ops.triton.qk_rotary`` (one pass forward, one backward); ``auto`` is, for now,
-    the reference: these PyTorch expressions, which inductor fuses."""
-    if resolve_opt_in("qk_rotary", backend, q.device, "the activations are") == "triton":
+    ``key_offset`` :func:`shift_keys`. ``backend`` is ``model.backends.qk_rotary``
+    (:func:`resolve_qk_rotary_backend`): ``triton`` runs ``nanogpt_pl.ops.triton.qk_rotary`` (one
+    pass forward, one backward); ``reference`` these PyTorch expressions, which inductor fuses."""
+    if resolve_qk_rotary_backend(backend, q.device) == "triton":
         from ..ops.triton.qk_rotary import qk_norm_rotary_triton
 
         return qk_norm_rotary_triton(q, k, cos, sin, QK_NORM_EPS, key_offset)
