@@ -15,8 +15,9 @@ virtual cap, RECORD §1).
 
 Backends: ``flex`` (compiled ``flex_attention``; its block mask is built once per layout,
 outside the timing, as a model would share it across layers), ``varlen`` (FlashAttention
-varlen through torch, only where d_qk == d_v), and ``triton`` (ours; its per-call
-``cu_seqlens`` preprocessing is inside the timing). Printed per row: median ms of
+varlen through torch, only where d_qk == d_v), ``triton`` (ours; its per-call
+``cu_seqlens`` preprocessing is inside the timing), and ``fa3`` / ``fa4`` (FlashAttention 3 / 4's
+varlen kernels, ``model.backends.attention: fa3 | fa4``) where they import. Printed per row: median ms of
 forward+backward (CUDA events), of the forward alone, TFLOP/s counting only visible
 query-key pairs (forward 2 matmuls, backward 5; FlashAttention-2's convention), and the
 speed ratio against flex in the same run. Target (issue 13): triton >= 1.6x flex for wide
@@ -42,7 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import time_cuda  # noqa: E402
-from nanogpt_pl.model.attention import attention_varlen, segment_ids  # noqa: E402
+from nanogpt_pl.model.attention import (  # noqa: E402
+    FLASH_MODULES,
+    _flash_fn,
+    attention_flash,
+    attention_varlen,
+    segment_ids,
+)
 
 N_TOKENS = 49152  # RECORD §9: stage-2 tokens per rank
 HEADS = 6  # RECORD §2
@@ -161,6 +168,10 @@ def main() -> None:
         backends[1] = ("triton", lambda a, b, c: triton_packed_attention(a, b, c, cu, max_seqlen, window, SCALE))
         if d_qk == d_v:
             backends.insert(1, ("varlen", lambda a, b, c: attention_varlen(a, b, c, cu, max_seqlen, window, SCALE)))
+        for flash in FLASH_MODULES:  # FlashAttention 3 / 4 where installed (a build may reject d_qk != d_v)
+            if _flash_fn(flash) is not None:
+                backends.append((flash, lambda a, b, c, f=flash: attention_flash(a, b, c, cu, max_seqlen, window,
+                                                                                  SCALE, f)))
         print()
         print(f"{name}: {segs} segments, max {max_seqlen} tokens, {pairs / nn_:.0f} visible keys per query")
         print(hdr)

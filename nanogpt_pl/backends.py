@@ -71,8 +71,9 @@ class Backends:
     """Implementation choices; YAML keys under ``model.backends``.
 
     Args:
-        attention: document-masked windowed attention (``nanogpt_pl.model.attention``): ``auto``,
-            ``reference`` (dense masked SDPA, the CPU path), or the CUDA kernels ``varlen`` / ``flex``.
+        attention: document-masked windowed attention (``nanogpt_pl.model.attention``): ``auto``
+            (``triton`` on CUDA), ``reference`` (dense masked SDPA, the CPU path), or the CUDA kernels
+            ``triton`` / ``varlen`` / ``flex``, and ``fa3`` / ``fa4`` where FlashAttention 3 / 4 is installed.
         fp8: the FP8 matmuls of the MLP, QKV and lm_head (``nanogpt_pl.ops.fp8``): ``auto``,
             ``reference`` (quantize, dequantize, fp32 matmul) or ``scaled_mm`` (CUDA, sm_89+).
         loss: the softcapped (sampled) cross-entropy of training (``nanogpt_pl.ops.cross_entropy``):

@@ -343,7 +343,7 @@ def test_gpu_only_attention_backend_on_cpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="model.backends.attention='varlen' needs a CUDA GPU"):
         resolve_backend("varlen", torch.device("cpu"))
     with pytest.raises(ValueError, match="choose one of"):
-        resolve_backend("fa3", torch.device("cpu"))
+        resolve_backend("fa2", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
     # the former name of the plain path points to the new one, in one line
     with pytest.raises(ValueError, match=r"^model\.backends\.attention='sdpa' \(the plain-PyTorch path is 'reference'"):

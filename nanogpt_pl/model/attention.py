@@ -5,7 +5,7 @@ A micro-batch is one flat sequence of N tokens holding several documents; ``cu_s
 attention segment begins. A query attends to keys of its own segment that are at
 most ``window`` tokens behind it (FlashAttention's left window).
 
-Four kernels compute the same function:
+Six kernels compute the same function:
 
 - ``reference``: a dense boolean mask and ``F.scaled_dot_product_attention``; the plain
   PyTorch path, and the one that trains on CPU (flex attention has no CPU backward in torch 2.13).
@@ -14,6 +14,8 @@ Four kernels compute the same function:
 - ``flex``: compiled ``flex_attention`` with a document + window block mask; CUDA.
 - ``triton``: our FlashAttention-2-style kernels (``nanogpt_pl.ops.triton.attention``); CUDA,
   any d_qk, d_v in {16, 32, 64, 128}.
+- ``fa3`` / ``fa4``: FlashAttention 3 / 4's varlen kernels where they are installed
+  (``flash_attn_interface`` / ``flash_attn.cute``); CUDA. The record runs FA3 (RECORD §2).
 
 ``auto`` picks, on CUDA, triton for every layer kind (in the whole training step, where it beat
 varlen on the (64, 64) layers too), and the reference on CPU. Layers whose value heads are wider than their query/key
@@ -41,7 +43,11 @@ from ..ops.triton import triton_usable
 from .rotary import apply_rotary
 
 # The choices of `model.backends.attention`; "reference" is the plain-PyTorch path.
-BACKENDS = ("auto", "reference", "varlen", "flex", "triton")
+BACKENDS = ("auto", "reference", "varlen", "flex", "triton", "fa3", "fa4")
+# FlashAttention 3 (Hopper) and 4 (Hopper and Blackwell, CuTe DSL), used where they import: the
+# module each must import from, and the package that provides it
+FLASH_MODULES = {"fa3": ("flash_attn_interface", "FlashAttention 3 (the hopper build of Dao-AILab/flash-attention)"),
+                 "fa4": ("flash_attn.cute", "FlashAttention 4 (flash-attn's CuTe interface, package fa4)")}
 
 
 def segment_ids(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -64,6 +70,16 @@ def _varlen_fn():
     return varlen_attn
 
 
+def _flash_fn(backend: str):
+    """``flash_attn_varlen_func`` of FlashAttention 3 or 4, or None where it does not import."""
+    import importlib
+
+    try:
+        return importlib.import_module(FLASH_MODULES[backend][0]).flash_attn_varlen_func
+    except (ImportError, AttributeError, OSError):  # OSError: a build whose CUDA libraries do not load
+        return None
+
+
 # ``auto`` on CUDA is our Triton kernel for every layer kind. In ``benchmarks/attention.py`` alone
 # (one layer, fwd + bwd, 49,152 tokens) torch's varlen kernel tied or led for (64, 64) heads, but in
 # the stage-2 training step on an H100 the two (64, 64) layers on triton made the whole step 1.043x
@@ -84,7 +100,7 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
         if triton_usable(device):
             return "triton"
         return "varlen" if same_head_dims and _varlen_fn() is not None else "flex"
-    if backend in ("varlen", "flex") and device.type != "cuda":
+    if backend in ("varlen", "flex", "fa3", "fa4") and device.type != "cuda":
         raise RuntimeError(
             f"model.backends.attention={backend!r} needs a CUDA GPU but the model runs on {device}; "
             f"use 'reference' or 'auto' on CPU"
@@ -93,6 +109,12 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
         raise RuntimeError(
             f"model.backends.attention='triton' needs a CUDA GPU with triton but the model runs on {device}; "
             f"use 'reference' or 'auto' on CPU"
+        )
+    if backend in FLASH_MODULES and _flash_fn(backend) is None:
+        module, package = FLASH_MODULES[backend]
+        raise RuntimeError(
+            f"model.backends.attention={backend!r} needs {package}: `import {module}` failed; install it, "
+            f"or use 'triton' or 'auto'"
         )
     if backend == "varlen":
         if _varlen_fn() is None:
@@ -140,6 +162,22 @@ def attention_varlen(
     varlen_attn = _varlen_fn()
     cu = cu_seqlens.to(torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
+
+
+def attention_flash(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float,
+                    backend: str) -> Tensor:
+    """FlashAttention 3 or 4's varlen kernel (``backend`` ``fa3`` / ``fa4``), as the record calls FA3
+    (RECORD §2 step 5): causal, left window ``window``, the packed segments of ``cu_seqlens``.
+
+    Its window is ``(left, right)`` keys around the query, both inclusive, so ``(window, 0)`` with
+    ``causal`` is this module's function. Whether a build takes d_qk != d_v (the narrow layers'
+    (64, 128)) depends on the build: the record patches FA3 for it (RECORD §2); an official build
+    raises its own error there.
+    """
+    cu = cu_seqlens.to(torch.int32)
+    out = _flash_fn(backend)(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+                             max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size=(window, 0))
+    return out[0] if isinstance(out, tuple) else out  # some versions return (out, log-sum-exp)
 
 
 _flex_compiled = None
@@ -198,6 +236,8 @@ def packed_attention(
         return attention_flex(q, k, v, cu_seqlens, window, scale)
     if backend == "flex":
         return attention_flex(q, k, v, cu_seqlens, window, scale)
+    if backend in FLASH_MODULES:
+        return attention_flash(q, k, v, cu_seqlens, max_seqlen, window, scale, backend)
     if backend == "triton":
         from nanogpt_pl.ops.triton.attention import triton_packed_attention  # imports triton: only when chosen
 
