@@ -193,6 +193,10 @@ def test_backend_choice_and_errors():
     assert resolve_qk_rotary_backend("auto", torch.device("cpu")) == "reference"
     assert resolve_qk_rotary_backend("auto", torch.device("cuda")) == "triton"  # timed faster in the step
     assert resolve_qk_rotary_backend("reference", torch.device("cuda")) == "reference"
+    # auto never fails where the reference runs: a width the kernel does not take gets the reference
+    assert resolve_qk_rotary_backend("auto", torch.device("cuda"), 48) == "reference"
+    assert resolve_qk_rotary_backend("auto", torch.device("cuda"), 64) == "triton"
+    assert resolve_qk_rotary_backend("triton", torch.device("cuda"), 48) == "triton"  # the kernel says no
     q = k = torch.randn(4, 2, 16)
     cos = sin = torch.randn(4, 8)
     want = qk_norm_rotary(q, k, cos, sin, False, "reference")

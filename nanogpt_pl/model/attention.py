@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends import resolve_fast_on_gpu
-from ..ops.triton import triton_usable
+from ..ops.triton import QK_ROTARY_HEAD_DIMS, triton_usable
 from .rotary import apply_rotary
 
 # The choices of `model.backends.attention`; "reference" is the plain-PyTorch path.
@@ -304,10 +304,15 @@ def shift_keys(k: Tensor) -> Tensor:
     return torch.cat([k[..., :half], upper], dim=-1)
 
 
-def resolve_qk_rotary_backend(backend: str, device: torch.device) -> str:
+def resolve_qk_rotary_backend(backend: str, device: torch.device, head_dim: Optional[int] = None) -> str:
     """``model.backends.qk_rotary``: ``auto`` is the Triton pass on a CUDA device (a stage-1 step
-    1.020x and a stage-2 step 1.012x faster on an H100, BENCHMARKS.md) and the reference elsewhere."""
-    return resolve_fast_on_gpu("qk_rotary", backend, device, "the activations are")
+    1.020x and a stage-2 step 1.012x faster on an H100, BENCHMARKS.md) for the head widths it takes
+    (``QK_ROTARY_HEAD_DIMS``), and the reference elsewhere; ``triton`` asked for by name at another
+    width is an error (one line, from the kernel)."""
+    resolved = resolve_fast_on_gpu("qk_rotary", backend, device, "the activations are")
+    if backend == "auto" and head_dim is not None and head_dim not in QK_ROTARY_HEAD_DIMS:
+        return "reference"
+    return resolved
 
 
 def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, key_offset: bool, backend: str = "reference"
@@ -316,7 +321,7 @@ def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, key_offset: b
     ``key_offset`` :func:`shift_keys`. ``backend`` is ``model.backends.qk_rotary``
     (:func:`resolve_qk_rotary_backend`): ``triton`` runs ``nanogpt_pl.ops.triton.qk_rotary`` (one
     pass forward, one backward); ``reference`` these PyTorch expressions, which inductor fuses."""
-    if resolve_qk_rotary_backend(backend, q.device) == "triton":
+    if resolve_qk_rotary_backend(backend, q.device, q.shape[-1]) == "triton":
         from ..ops.triton.qk_rotary import qk_norm_rotary_triton
 
         return qk_norm_rotary_triton(q, k, cos, sin, QK_NORM_EPS, key_offset)

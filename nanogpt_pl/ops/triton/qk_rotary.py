@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpret_mode, lastdim_contiguous
+from . import QK_ROTARY_HEAD_DIMS, interpret_mode, lastdim_contiguous
 
 Tensor = torch.Tensor
 
 INTERPRET = interpret_mode()
-HEAD_DIMS = (8, 16, 32, 64, 128)  # powers of two: a row is one tile; the record uses 64 and 128 (RECORD §2)
+HEAD_DIMS = QK_ROTARY_HEAD_DIMS  # the record uses 64 and 128 (RECORD §2)
 # Rows per program: (head width) -> (block_t, num_warps), so a tile holds 4,096 elements.
 TILES = {8: (512, 4), 16: (256, 4), 32: (128, 4), 64: (64, 4), 128: (32, 4)}
 _INTERP_BLOCK_T = 8  # the CPU tests cross many tile edges at a few dozen tokens
