@@ -345,6 +345,10 @@ def test_gpu_only_attention_backend_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="choose one of"):
         resolve_backend("fa2", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    # on a GPU, auto takes the Triton kernel at the widths it holds, and another kernel elsewhere
+    assert resolve_backend("auto", torch.device("cuda"), head_dims=(64, 128)) == "triton"
+    assert resolve_backend("auto", torch.device("cuda"), same_head_dims=False, head_dims=(48, 96)) == "flex"
+    assert resolve_backend("auto", torch.device("cuda"), head_dims=(96, 96)) in ("varlen", "flex")
     # the former name of the plain path points to the new one, in one line
     with pytest.raises(ValueError, match=r"^model\.backends\.attention='sdpa' \(the plain-PyTorch path is 'reference'"):
         resolve_backend("sdpa", torch.device("cpu"))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backends import resolve_fast_on_gpu
-from ..ops.triton import QK_ROTARY_HEAD_DIMS, triton_usable
+from ..ops.triton import ATTENTION_HEAD_DIMS, QK_ROTARY_HEAD_DIMS, triton_usable
 from .rotary import apply_rotary
 
 # The choices of `model.backends.attention`; "reference" is the plain-PyTorch path.
@@ -86,10 +86,13 @@ def _flash_fn(backend: str):
 # faster than on varlen, same run (BENCHMARKS.md "The QKV's λ₀ in the GEMM scales").
 
 
-def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True) -> str:
+def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = True,
+                    head_dims: Optional[tuple[int, int]] = None) -> str:
     """Map ``auto`` to a concrete kernel and reject kernels the device cannot run.
 
     ``same_head_dims=False`` (a layer with d_qk != d_v) turns ``varlen`` into ``flex``.
+    ``head_dims`` (d_qk, d_v): ``auto`` takes the Triton kernel only at widths it holds
+    (``ATTENTION_HEAD_DIMS``), else varlen or flex, so ``auto`` runs whatever the widths.
     """
     if backend not in BACKENDS:
         hint = " (the plain-PyTorch path is 'reference')" if backend == "sdpa" else ""
@@ -97,7 +100,7 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        if triton_usable(device):
+        if triton_usable(device) and (head_dims is None or all(d in ATTENTION_HEAD_DIMS for d in head_dims)):
             return "triton"
         return "varlen" if same_head_dims and _varlen_fn() is not None else "flex"
     if backend in ("varlen", "flex", "fa3", "fa4") and device.type != "cuda":
@@ -516,7 +519,7 @@ class CausalSelfAttention(nn.Module):
             v = v + self.gated_value_embed(x, ve)[..., : s.d_v]
         if extra_v is not None:
             v = v + extra_v[..., : s.d_v]
-        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v)
+        backend = resolve_backend(s.backend, x.device, same_head_dims=s.d_qk == s.d_v, head_dims=(s.d_qk, s.d_v))
         window, scale = ctx.windows[s.chain], ctx.scales[s.chain]
         if s.paired:
             y = packed_attention(to_paired(q), to_paired(k), to_paired(v), 2 * ctx.cu_seqlens,

@@ -11,8 +11,10 @@ from typing import Union
 
 import torch
 
-__all__ = ["QK_ROTARY_HEAD_DIMS", "interpret_mode", "lastdim_contiguous", "triton_usable"]
+__all__ = ["ATTENTION_HEAD_DIMS", "QK_ROTARY_HEAD_DIMS", "interpret_mode", "lastdim_contiguous", "triton_usable"]
 
+# head widths (d_qk and d_v) the attention kernels take (``attention.py``): powers of two a tile holds whole
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 # head widths the QK norm + rotary kernels take (``qk_rotary.py``): powers of two, a row is one tile
 QK_ROTARY_HEAD_DIMS = (8, 16, 32, 64, 128)
 

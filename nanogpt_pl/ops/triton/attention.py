@@ -41,13 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpret_mode, lastdim_contiguous
+from . import ATTENTION_HEAD_DIMS, interpret_mode, lastdim_contiguous
 
 Tensor = torch.Tensor
 
 INTERPRET = interpret_mode()  # read once: triton itself reads the variable at import
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)  # powers of two a tile can hold whole; the record uses 64 and 128 (RECORD §2)
+HEAD_DIMS = ATTENTION_HEAD_DIMS  # the record uses 64 and 128 (RECORD §2)
 
 # Tile sizes per kernel and head width: (kind, wide) -> (block_m, block_n, num_warps,
 # num_stages), where block_m is the query tile, block_n the key tile and wide means a head
