@@ -22,6 +22,7 @@ import pytest
 import torch
 from seeds import fresh_seed
 
+from nanogpt_pl.model import attention
 from nanogpt_pl.model.attention import FLASH_MODULES, _flash_fn, dense_reference, packed_attention, resolve_backend
 
 
@@ -50,6 +51,12 @@ def documented_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
             p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
             out[start:end, h] = p @ v[start:end, h].double()
     return out.to(q.dtype)
+
+
+@pytest.fixture(autouse=True)
+def fresh_lookup(monkeypatch):
+    """Each test looks the libraries up again (the model looks each up once)."""
+    monkeypatch.setattr(attention, "_flash_fns", {})
 
 
 @pytest.fixture
@@ -86,6 +93,7 @@ def test_choice_and_errors_are_one_line(monkeypatch):
             resolve_backend(backend, torch.device("cpu"))
         module, _ = FLASH_MODULES[backend]
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed, whatever this machine has
+        attention._flash_fns.clear()
         if backend == "fa4":
             monkeypatch.setitem(sys.modules, "flash_attn", None)
         assert _flash_fn(backend) is None

@@ -70,14 +70,19 @@ def _varlen_fn():
     return varlen_attn
 
 
+_flash_fns: dict[str, Any] = {}  # backend -> its varlen function or None, looked up once (outside any compile)
+
+
 def _flash_fn(backend: str):
     """``flash_attn_varlen_func`` of FlashAttention 3 or 4, or None where it does not import."""
-    import importlib
+    if backend not in _flash_fns:
+        import importlib
 
-    try:
-        return importlib.import_module(FLASH_MODULES[backend][0]).flash_attn_varlen_func
-    except (ImportError, AttributeError, OSError):  # OSError: a build whose CUDA libraries do not load
-        return None
+        try:
+            _flash_fns[backend] = importlib.import_module(FLASH_MODULES[backend][0]).flash_attn_varlen_func
+        except (ImportError, AttributeError, OSError):  # OSError: a build whose CUDA libraries do not load
+            _flash_fns[backend] = None
+    return _flash_fns[backend]
 
 
 # ``auto`` on CUDA is our Triton kernel for every layer kind. In ``benchmarks/attention.py`` alone
