@@ -45,6 +45,15 @@ def _tile(d: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _angles(COS, SIN, t, in_t, h, stride_ct, stride_ch, D: tl.constexpr):
+    """cos and sin of rows ``t`` of head ``h``, ``[BLOCK_T, D/2]`` float32 (``stride_ch`` 0: one per token)."""
+    tab = t[:, None].to(tl.int64) * stride_ct + h * stride_ch + tl.arange(0, D // 2)[None, :]
+    c = tl.load(COS + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
+    s = tl.load(SIN + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
 def _rotated_row(Q, K, COS, SIN, t, in_t, is_k, h, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
                  stride_ch, eps, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows ``t`` of head ``h`` (of k if ``is_k``, else of q): normed, rotated, as (even, odd)
@@ -57,10 +66,7 @@ def _rotated_row(Q, K, COS, SIN, t, in_t, is_k, h, stride_qt, stride_qh, stride_
     x = tl.load(ptr, mask=in_t[:, None], other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)
     xe, xo = tl.split(tl.reshape(x, [BLOCK_T, D // 2, 2]))
-    pairs = tl.arange(0, D // 2)
-    tab = t[:, None].to(tl.int64) * stride_ct + h * stride_ch + pairs[None, :]
-    c = tl.load(COS + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
-    s = tl.load(SIN + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
+    c, s = _angles(COS, SIN, t, in_t, h, stride_ct, stride_ch, D)
     ne = xe * r[:, None]
     no = xo * r[:, None]
     return ne * c + no * s, no * c - ne * s, r
@@ -124,10 +130,7 @@ def _bwd_kernel(GQ, GK, Q, K, COS, SIN, RSTD, DQ, DK, N, stride_gqt, stride_gqh,
         g = g.to(tl.float32)
         x = tl.load(Q + t64 * stride_qt + h * stride_qh + cols[None, :], mask=in_t[:, None], other=0.0)
     ge, go = tl.split(tl.reshape(g, [BLOCK_T, D // 2, 2]))
-    pairs = tl.arange(0, D // 2)
-    tab = t64 * stride_ct + h * stride_ch + pairs[None, :]
-    c = tl.load(COS + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
-    s = tl.load(SIN + tab, mask=in_t[:, None], other=0.0).to(tl.float32)
+    c, s = _angles(COS, SIN, t, in_t, h, stride_ct, stride_ch, D)
     # the rotation's transpose: the gradient of the normed row
     dne = ge * c - go * s
     dno = ge * s + go * c
