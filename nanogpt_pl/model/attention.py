@@ -17,8 +17,9 @@ Six kernels compute the same function:
 - ``fa3`` / ``fa4``: FlashAttention 3 / 4's varlen kernels where they are installed
   (``flash_attn_interface`` / ``flash_attn.cute``); CUDA. The record runs FA3 (RECORD §2).
 
-``auto`` picks, on CUDA, triton for every layer kind (in the whole training step, where it beat
-varlen on the (64, 64) layers too), and the reference on CPU. Layers whose value heads are wider than their query/key
+``auto`` picks, on CUDA, triton for every layer kind of the record (in the whole training step, where it
+beat varlen on the (64, 64) layers too; at head widths the kernels do not hold, varlen or flex), and the
+reference on CPU. Layers whose value heads are wider than their query/key
 heads (RECORD §2 "narrow") run on flex even when varlen is asked for, because torch's
 varlen kernel needs d_qk == d_v.
 
