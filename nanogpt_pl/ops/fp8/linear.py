@@ -195,9 +195,9 @@ def fp8_linear(x: Tensor, weight: Union[Tensor, Sequence[Tensor]], state: Fp8Lin
     if quantized is not None:
         if quantized.x is not x:
             raise ValueError("fp8_linear: `quantized` holds another tensor than x; pass x as quantized.x")
-        return fp8_linear_q_call(x, quantized.xq, quantized.xt, list(parts), cache.row, cache.col, quantized.x_scale,
-                                 state.w_scale, state.grad_scale, state._grad_inv, state._kern_id, state.grad_dtype,
-                                 gain)
+        # the layer's own arguments, but the copies' scale for the input's
+        row, col, _, _, *rest = state.operator_args(cache)
+        return fp8_linear_q_call(x, quantized.xq, quantized.xt, list(parts), row, col, quantized.x_scale, *rest, gain)
     lead = x.shape[:-1]
     y, _ = fp8_linear_call(x.reshape(-1, x.shape[-1]), list(parts), *state.operator_args(cache), gain)
     return y.reshape(*lead, y.shape[-1])
