@@ -2,7 +2,7 @@
 offset, forward and backward, one pass each.
 
 The function is the one ``CausalSelfAttention`` writes in PyTorch (RECORD §2 "Attention
-sublayer", steps 3 and 4; :func:`qk_norm_rotary_reference` here):
+sublayer", steps 3 and 4; ``nanogpt_pl.model.attention.qk_norm_rotary`` with ``backend="reference"``):
 
 - ``q̂ = q · rsqrt(mean(q²) + eps)`` per head, the same for ``k``;
 - each interleaved pair ``(x₂ᵢ, x₂ᵢ₊₁)`` rotates by the angle whose cos/sin the tables give:
