@@ -18,6 +18,9 @@ our error must be no worse than the compiled reference's (plus a bf16 step).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from interpreter import INTERPRETED, interp, run_module_under_interpreter
@@ -140,8 +143,12 @@ def test_operators_pass_opcheck_and_compile_without_a_graph_break():
 @interp
 def test_record_network_trains_the_same_numbers_with_either_path():
     """The small record network (paired, dv64 and wide layers with the key offset) with
-    ``model.backends.qk_rotary: triton`` against the reference: the output and every parameter's
-    gradient to float32 rounding, and every attention layer takes the kernel."""
+    ``model.backends.qk_rotary: triton`` against the reference: the output to float32 rounding, and
+    every parameter's gradient no further from a float64 run of the reference than twice the float32
+    reference's own distance from it (plus 1e-6 of its scale). Gradients of the scalar lambdas sum
+    many cancelling terms: the float32 reference itself is off by up to ~1e-3 of their scale, and
+    two float32 paths can differ by more than 1e-4 (seed 13031460). Every attention layer takes
+    the kernel."""
     from test_record_network import SMALL, ngram_input, open_attention_outputs, speedrun_gpt
 
     from nanogpt_pl.model.gpt import GPT
@@ -165,23 +172,30 @@ def test_record_network_trains_the_same_numbers_with_either_path():
         calls.append(args[-1])  # key_offset
         return launch(*args)
 
+    exact = copy.deepcopy(ref).double()
     results = []
     try:
         kernels._qk_fwd = counting
-        for m in (fast, ref):
-            out = m(ids, cu, 56, (8, 24), ngram=ngram_input(ids, cfg.ngram_rows, cfg.model_dim))
-            (out.float() @ w).sum().backward()
-            results.append((out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        for m in (fast, ref, exact):
+            ngram = ngram_input(ids, cfg.ngram_rows, cfg.model_dim)
+            if m is exact:
+                ngram = dataclasses.replace(ngram, values=ngram.values.detach().double().requires_grad_())
+            out = m(ids, cu, 56, (8, 24), ngram=ngram)
+            (out.double() @ w.double()).sum().backward()
+            results.append((out.detach(), {n: p.grad.double() for n, p in m.named_parameters() if p.grad is not None}))
     finally:
         kernels._qk_fwd = launch
     attn_layers = [i for i in range(cfg.num_layers) if cfg.has_attention(i)]
     assert len(calls) == len(attn_layers)
     assert calls == [i in cfg.key_offset_layers for i in attn_layers]
-    (out, grads), (ref_out, ref_grads) = results
+    (out, grads), (ref_out, ref_grads), (_, exact_grads) = results
     assert_close(out, ref_out, f"output, seed {seed}", rtol=1e-5)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert_close(grads[name], ref_grads[name], f"{name}, seed {seed}", rtol=1e-4)
+    assert grads.keys() == ref_grads.keys() == exact_grads.keys()
+    for name, want in exact_grads.items():
+        scale = want.abs().max().item()
+        err, ref_err = ((g[name] - want).abs().max().item() for g in (grads, ref_grads))
+        assert err <= 2 * ref_err + 1e-6 * scale, (
+            f"{name}, seed {seed}: error {err:.3e} against the float32 reference's {ref_err:.3e} (scale {scale:.3e})")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the choice without the interpreter")
