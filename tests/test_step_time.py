@@ -328,13 +328,33 @@ def test_rounds_report_each_loops_median_round_and_the_ratio_within_every_round(
     assert mod.combine_rounds({"plain": [{"seconds": 2.5}]})["plain"] == {"seconds": 2.5, "rounds": [2.5]}
 
 
-def test_rounds_below_one_are_one_clear_error():
-    import subprocess
-    import sys
+def _run_main(argv: list[str], capsys) -> tuple[object, str]:
+    """``python benchmarks/step_time.py ARGV`` in this process, from the repository root: (the exit
+    status main() ends with, None for a normal return; its stdout). An interpreter start-up (torch
+    and the project, about 5 s on 2 cores) saved per call; the loops it starts are processes of
+    their own, as from the command line. Its environment changes (the launch queues' variable)
+    are undone after it."""
+    from unittest import mock
 
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--rounds", "0"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == "step_time: --rounds 0: give 1 or more"
+    mod = _step_time()
+    here = os.getcwd()
+    with mock.patch.dict(os.environ), mock.patch("sys.argv", [mod.__file__, *argv]):
+        os.environ.pop("CUDA_SCALE_LAUNCH_QUEUES", None)
+        os.chdir(ROOT)
+        try:
+            mod.main()
+            status = None
+        except SystemExit as stop:
+            status = stop.code
+        finally:
+            os.chdir(here)
+    return status, capsys.readouterr().out
+
+
+def test_rounds_below_one_are_one_clear_error(capsys):
+    # sys.exit(message): the interpreter prints the message as stderr's last line and exits with 1
+    status, _ = _run_main(["--rounds", "0"], capsys)
+    assert status == "step_time: --rounds 0: give 1 or more"
 
 
 def test_the_baseline_loop_runs_the_other_trees_script_without_the_option():
@@ -356,12 +376,11 @@ def test_a_missing_baseline_tree_is_one_clear_error(tmp_path):
     assert mod.baseline_error(str(ROOT)) is None
 
 
-def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path):
+def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path, capsys):
     """A real two-tree run on the CPU: the baseline loop imports the other tree's package (a marker
-    its copy leaves) and the report has its row and its ratio to plain."""
+    its copy leaves) and the report has its row and its ratio to plain. The script's top runs in
+    this process; its three loops (plain, baseline, the variant) each in their own, as always."""
     import shutil
-    import subprocess
-    import sys
 
     tree = tmp_path / "before"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -369,23 +388,24 @@ def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path):
         shutil.copytree(ROOT / name, tree / name, ignore=skip)
     init = tree / "nanogpt_pl" / "__init__.py"
     init.write_text(init.read_text() + "\nimport pathlib as _p\n(_p.Path(__file__).parents[1] / 'imported').touch()\n")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--config",
-                          "configs/quickstart.yaml", "--only", "plain", "--no-eager", "--steps", "1", "--warmup", "1",
-                          "--set", "model.gpt.num_layers=2", "--set", "model.gpt.long_window_layers=[1]",
-                          "--set", "model.gpt.value_embed_layers=[1]", "--set", "model.gpt.skip_from=null",
-                          "--set", "model.gpt.skip_to=null", "--baseline", str(tree),
-                          "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={k: v for k, v in os.environ.items() if k != "CUDA_SCALE_LAUNCH_QUEUES"})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    # a narrow model: the loops' steps take less, and nothing below depends on the width
+    status, stdout = _run_main(["--config", "configs/quickstart.yaml", "--only", "plain", "--no-eager", "--steps", "1",
+                                "--warmup", "1", "--set", "model.gpt.num_layers=2",
+                                "--set", "model.gpt.long_window_layers=[1]",
+                                "--set", "model.gpt.value_embed_layers=[1]",
+                                "--set", "model.gpt.skip_from=null", "--set", "model.gpt.skip_to=null",
+                                "--set", "model.gpt.model_dim=32", "--set", "model.gpt.head_dim=16",
+                                "--set", "model.gpt.mlp_hidden=64", "--baseline", str(tree),
+                                "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x"], capsys)
+    assert status is None, stdout[-5000:]
     assert (tree / "imported").is_file() and not (ROOT / "imported").exists()
-    rows = [ln.split() for ln in out.stdout.splitlines()]
+    rows = [ln.split() for ln in stdout.splitlines()]
     table = [r for r in rows if len(r) == 7 and r[3].endswith("%")]  # loop, ms/step, tokens/s, MFU, ...
     assert [r[0] for r in table] == ["plain", "baseline"] and float(table[1][1]) > 0
-    assert any(ln.startswith(f"baseline ({tree}) / plain step time: ") for ln in out.stdout.splitlines())
+    assert any(ln.startswith(f"baseline ({tree}) / plain step time: ") for ln in stdout.splitlines())
     # every loop starts with main.py's launch queues; the variant's own environment gives it 1x (the
     # baseline tree's copy of the script sets the default too, inherited or its own)
-    assert "launch queues (CUDA_SCALE_LAUNCH_QUEUES): plain 4x, baseline 4x, variant q1 1x" in out.stdout
+    assert "launch queues (CUDA_SCALE_LAUNCH_QUEUES): plain 4x, baseline 4x, variant q1 1x" in stdout
 
 
 def test_blocking_calls_are_named_by_their_project_callers():
@@ -420,12 +440,6 @@ def test_blocking_calls_are_named_by_their_project_callers():
     ]
 
 
-def test_stacks_without_a_profile_is_one_clear_error():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--stacks"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1] == (
-        "step_time: --stacks names the callers in a profile: give --profile [DIR] too")
+def test_stacks_without_a_profile_is_one_clear_error(capsys):
+    status, _ = _run_main(["--stacks"], capsys)
+    assert status == "step_time: --stacks names the callers in a profile: give --profile [DIR] too"
