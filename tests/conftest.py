@@ -1,7 +1,8 @@
 """Shared pytest set-up: ``@pytest.mark.cuda`` tests skip on machines without a CUDA GPU; shared fixtures.
 
 Fixtures: ``one_thread``; ``toy_files`` (small Markov-chain train/val shards); ``toy_config``
-(a tiny CPU config file from configs/quickstart.yaml); ``run_cli`` (main.py in a subprocess).
+(a tiny CPU config file from configs/quickstart.yaml); ``run_cli`` (main.py in a process of its own,
+forked from a warm one: tests/warm_python.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from background import LAUNCH_VARS, is_background_test, start_runs, stop_runs
 from interpreter import is_launcher_module, register_session_modules, start_session_child, stop_children
 from seeds import fresh_seed
 from train_helpers import write_markov_shards
+from warm_python import run as warm_run
+from warm_python import stop as stop_warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +47,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     stop_children()
     stop_runs()
+    stop_warm_python()
 
 
 @pytest.fixture
@@ -115,8 +119,8 @@ def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None
     env.update(PYTHONPATH=str(ROOT))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    # a process of its own, forked from a warm one that imported the project already (tests/warm_python.py)
+    return warm_run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.fixture
@@ -138,7 +142,8 @@ def toy_config():
 
 @pytest.fixture
 def run_cli():
-    """``run_cli(args, cwd, timeout=600, threads=1)``: ``python main.py *args`` in a subprocess."""
+    """``run_cli(args, cwd, timeout=600, threads=1)``: ``python main.py *args`` in a process of its own
+    (forked from the warm process of tests/warm_python.py where it can be)."""
     return _run_cli
 
 
