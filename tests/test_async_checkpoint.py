@@ -7,7 +7,6 @@ as a record-size shard always is, so every test goes through the background side
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -164,10 +163,11 @@ def test_a_kill_during_the_background_write_leaves_no_complete_looking_checkpoin
     script = tmp_path / "child.py"
     script.write_text(CRASH_CHILD.format(tests=str(Path(__file__).parent), train=toy_files[0], val=toy_files[1],
                                          ckpt_dir=str(ckpt_dir), root=str(tmp_path / "run")))
+    from warm_python import run
+
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=600)  # forked from a warm process
     assert out.returncode == -9, out.stderr[-3000:]  # killed, not finished
     good, broken = ckpt_dir / "epoch=0-step=2.ckpt", ckpt_dir / "epoch=0-step=4.ckpt"
     assert good.exists() and Path(rank_file(good, 0)).exists()

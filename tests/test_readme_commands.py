@@ -28,6 +28,7 @@ import torch
 import yaml
 from conftest import cli_in_process
 from test_cli import LAUNCH_VARS, ROOT
+from warm_python import run as warm_run
 
 README = ROOT / "README.md"
 GPU_CONFIGS = ("configs/speedrun.yaml", "configs/speedrun_1gpu.yaml", "configs/speedrun_24gb.yaml",
@@ -82,9 +83,10 @@ def argv_of(command: str) -> list[str]:
 
 
 def run(argv: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``argv`` in a process of its own (forked from the warm process of tests/warm_python.py)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return warm_run(argv, cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.fixture

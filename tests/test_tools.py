@@ -31,10 +31,12 @@ LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_S
 
 
 def nanogpt_pl(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``nanogpt-pl ARGS`` in a process of its own (forked from the warm process of tests/warm_python.py)."""
+    from warm_python import run
+
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "nanogpt_pl.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return run([sys.executable, "-m", "nanogpt_pl.cli", *args], cwd=cwd, env=env, timeout=600)
 
 
 def nanogpt_pl_here(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
