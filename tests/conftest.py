@@ -25,6 +25,11 @@ from warm_python import run as warm_run
 from warm_python import stop as stop_warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
+# One intra-op thread in the session's own process: its tests train and check tiny models, whose ops
+# gain little from a second thread, and on a 2-core machine the background runs, the multi-rank
+# tests' processes and the command-line runs want the other core (full suite on 2 cores: 793 s with
+# torch's default of two threads, 715 s with one). ``one_thread`` still pins it for the tests that ask.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
