@@ -167,20 +167,22 @@ def _dkdv_tile(dk_acc, dv_acc, k, v, q_base, do_base, lse_base, delta_base, ROW_
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < N
-        qt = tl.load(q_base + offs_m[None, :] * stride_qn + dk[:, None], mask=in_m[None, :], other=0.0)
+        # q and dO are read row-major, as stored, and transposed in the dots (free for the MMA's
+        # shared-memory operand); the products accumulate in place
+        q = tl.load(q_base + offs_m[:, None] * stride_qn + dk[None, :], mask=in_m[:, None], other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dn + dv[None, :], mask=in_m[:, None], other=0.0)
         # padded rows: lse = +inf makes their probabilities 0
         lse = tl.load(lse_base + offs_m, mask=in_m, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=in_m, other=0.0)
-        pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])
+        pt = tl.exp2(tl.dot(k, q.T) * qk_scale - lse[None, :])
         if MASK:
             lo_row = tl.load(ROW_LO + offs_m, mask=in_m, other=N)
             vis = (offs_n[:, None] >= lo_row[None, :]) & (offs_n[:, None] <= offs_m[None, :])
             pt = tl.where(vis, pt, 0.0)
-        dv_acc += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
+        dv_acc = tl.dot(pt.to(do.dtype), do, dv_acc)
+        dpt = tl.dot(v, do.T)
         dst = pt * (dpt - delta[None, :])
-        dk_acc += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        dk_acc = tl.dot(dst.to(q.dtype), q, dk_acc)
     return dk_acc, dv_acc
 
 
@@ -235,14 +237,14 @@ def _dq_tile(dq_acc, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, of
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_n = offs_n < N
         k = tl.load(k_base + offs_n[:, None] * stride_kn + dk[None, :], mask=in_n[:, None], other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vn + dv[:, None], mask=in_n[None, :], other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + dv[None, :], mask=in_n[:, None], other=0.0)
+        p = tl.exp2(tl.dot(q, k.T) * qk_scale - lse[:, None])
         if MASK:
             vis = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, vt)
+        dp = tl.dot(do, v.T)
         ds = p * (dp - delta[:, None])
-        dq_acc += tl.dot(ds.to(k.dtype), k)
+        dq_acc = tl.dot(ds.to(k.dtype), k, dq_acc)
     return dq_acc
 
 
