@@ -55,6 +55,27 @@ def time_cuda(step: Callable[[], Any], warmup: int, iters: int, params: Sequence
     return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak, first)
 
 
+def graphed(step: Callable[[], Any], leaves: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph after three calls on a side stream (compiles, the
+    allocator's warmup); returns the graph's replay, to time the GPU's work as a captured training
+    step runs it rather than the host's launches. The leaves' gradients are allocated in the
+    capture and rewritten by every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for leaf in leaves:
+                leaf.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def copy_bandwidth(like: torch.Tensor, iters: int) -> float:
     """Bytes a second, read + written, of a device copy of a tensor shaped and typed like ``like``
     (median of ``iters``): the bandwidth the memory-bound benchmarks state their floors in."""

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_timing import copy_bandwidth, print_floor_table, time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, graphed, print_floor_table, time_cuda  # noqa: E402
 
 from nanogpt_pl.model.attention import qk_norm_rotary  # noqa: E402
 
@@ -46,24 +46,6 @@ KINDS = {  # name: (d_qk, d_v, tables per head, key offset), RECORD §2 "Per-lay
     "dv64": (64, 64, False, False),
     "wide": (128, 128, False, True),
 }
-
-
-def graphed(step, leaf: torch.Tensor):
-    """``step`` captured in a CUDA graph after three calls on a side stream (the compiles, and
-    the allocator's warmup); returns the graph's replay. The leaf's gradient is allocated in
-    the capture and rewritten by every replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            leaf.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    leaf.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def main() -> None:
@@ -100,7 +82,7 @@ def main() -> None:
 
             if args.no_graph:
                 return time_cuda(step, 3, args.iters, [qkv]).median_ms
-            return time_cuda(graphed(step, qkv), 3, args.iters).median_ms
+            return time_cuda(graphed(step, [qkv]), 3, args.iters).median_ms
 
         times = {backend: timed(backend) for backend in ("reference", "triton")}
         kept = kernels.TILES[d]
