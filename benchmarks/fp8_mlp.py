@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_timing import time_cuda  # noqa: E402
+from benchmarks.gpu_timing import time_cuda, warm_on_side_stream  # noqa: E402
 from nanogpt_pl.ops.fp8 import Fp8Head, Fp8MLPState, fp8_mlp  # noqa: E402
 from nanogpt_pl.ops.lm_head import TorchHeadMatmul  # noqa: E402
 from nanogpt_pl.ops.triton.fp8_mlp import dpre_quantize, relu2_quantize  # noqa: E402
@@ -82,16 +82,7 @@ def measure_graph(step: Callable[[], Optional[torch.Tensor]], params: list[torch
             p.grad = None
         step()
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm the capture stream too (cuBLAS workspaces are per stream)
-        for _ in range(2):
-            for p in params:
-                p.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for p in params:
-        p.grad = None
+    warm_on_side_stream(step, params, 2)  # the capture stream too (cuBLAS workspaces are per stream)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -55,21 +55,26 @@ def time_cuda(step: Callable[[], Any], warmup: int, iters: int, params: Sequence
     return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], peak, first)
 
 
-def graphed(step: Callable[[], Any], leaves: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
-    """``step`` captured in a CUDA graph after three calls on a side stream (compiles, the
-    allocator's warmup); returns the graph's replay, to time the GPU's work as a captured training
-    step runs it rather than the host's launches. The leaves' gradients are allocated in the
-    capture and rewritten by every replay."""
+def warm_on_side_stream(step: Callable[[], Any], leaves: Sequence[torch.Tensor], calls: int) -> None:
+    """``calls`` calls of ``step`` on a side stream, as a capture runs it (compiles, the allocator's
+    and cuBLAS's per-stream warmup), the leaves' gradients cleared before each and after."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(calls):
             for leaf in leaves:
                 leaf.grad = None
             step()
     torch.cuda.current_stream().wait_stream(side)
     for leaf in leaves:
         leaf.grad = None
+
+
+def graphed(step: Callable[[], Any], leaves: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph after three calls on a side stream; returns the graph's
+    replay, to time the GPU's work as a captured training step runs it rather than the host's
+    launches. The leaves' gradients are allocated in the capture and rewritten by every replay."""
+    warm_on_side_stream(step, leaves, 3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
