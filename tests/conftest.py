@@ -119,6 +119,19 @@ def cli_in_process(args: list[str], cwd: Path | None = None) -> tuple[int, str, 
     return code, out.getvalue(), err.getvalue()
 
 
+def cli_in_process_as_command(args: list[str], cwd: Path | None = None) -> tuple[int, str, str]:
+    """:func:`cli_in_process` under the environment a command-line run gets (the launch variables
+    removed, ``PYTHONPATH`` the repository, one OpenMP thread), restored afterwards: for the commands
+    that train nothing themselves (``ablate`` starts each run as a process of its own, which inherits it)."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ):
+        for name in LAUNCH_VARS:
+            os.environ.pop(name, None)
+        os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        return cli_in_process(args, cwd)
+
+
 def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None = 1) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(ROOT))

@@ -21,12 +21,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import yaml
-from conftest import cli_in_process
+from conftest import cli_in_process, cli_in_process_as_command
 from test_cli import LAUNCH_VARS, ROOT
 from warm_python import run as warm_run
 
@@ -226,12 +225,8 @@ def test_every_readme_and_config_command_runs(workdir):
         if tool == "ablate":  # its runs train the tiny overlay: the options after -- go to every run
             argv = argv + ([] if "--" in argv else ["--"]) + ["--config", str(tiny)]
             # in this process too: ablate trains nothing itself, each run is a process of its own,
-            # started with the environment `run` gives a command (restored afterwards)
-            with mock.patch.dict(os.environ):
-                for name in LAUNCH_VARS:
-                    os.environ.pop(name, None)
-                os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-                code, stdout, stderr = cli_in_process(cli_args(argv), workdir)
+            # started with the environment `run` gives a command
+            code, stdout, stderr = cli_in_process_as_command(cli_args(argv), workdir)
             assert code == 0 and "Traceback" not in stderr, (command, stderr[-3000:])
             ran.append(command)
             continue

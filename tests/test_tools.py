@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from background import LAUNCH_VARS
+from conftest import cli_in_process_as_command
 from seeds import fresh_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +28,6 @@ TINY = ["--model.gpt.num_layers", "2", "--model.gpt.model_dim", "32", "--model.g
         "--schedule.val_window_long", "384", "--schedule.warmup_steps", "2"]
 STEPS = 6
 OVERLAYS = ["adamw_matrices", "no_fp8"]
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
-               "PL_SEED_WORKERS")
 
 
 def nanogpt_pl(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -40,19 +40,10 @@ def nanogpt_pl(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess
 
 
 def nanogpt_pl_here(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``nanogpt-pl ARGS`` as :func:`nanogpt_pl` runs it, but in this process (``cli_in_process``), for
-    the commands that train nothing themselves: an interpreter start-up (about 5 s on 2 cores) saved.
-    ``ablate`` still trains each run in a process of its own, which inherits the environment
-    :func:`nanogpt_pl` would give (restored afterwards)."""
-    from unittest import mock
-
-    from conftest import cli_in_process
-
-    with mock.patch.dict(os.environ):
-        for name in LAUNCH_VARS:
-            os.environ.pop(name, None)
-        os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        code, stdout, stderr = cli_in_process(args, cwd)
+    """``nanogpt-pl ARGS`` as :func:`nanogpt_pl` runs it, but in this process
+    (``cli_in_process_as_command``), for the commands that train nothing themselves: an interpreter
+    start-up (about 5 s on 2 cores) saved. ``ablate`` still trains each run in a process of its own."""
+    code, stdout, stderr = cli_in_process_as_command(args, cwd)
     return subprocess.CompletedProcess(args, code, stdout, stderr)
 
 
