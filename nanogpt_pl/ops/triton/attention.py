@@ -52,15 +52,18 @@ HEAD_DIMS = ATTENTION_HEAD_DIMS  # the record uses 64 and 128 (RECORD §2)
 # Tile sizes per kernel and head width: (kind, wide) -> (block_m, block_n, num_warps,
 # num_stages), where block_m is the query tile, block_n the key tile and wide means a head
 # dimension above 64. Fixed rather than autotuned so the first step compiles each kernel
-# once; ``benchmarks/attention.py --sweep`` times the alternatives on the GPU. Chosen from
-# that sweep on an H200 (triton 3.6) at 49,152 tokens: larger tiles (128 keys in dK/dV,
-# 128x128 anywhere) spill registers or run out of shared memory at d = 128.
+# once; ``benchmarks/attention.py --sweep`` times the alternatives on the GPU from CUDA-graph
+# replay, and ``benchmarks/kernel_build.py`` reports a tile's registers and spills without one.
+# Chosen from that sweep on an H100 (triton 3.6) at 49,152 tokens (BENCHMARKS.md, session 16).
+# The wide dK/dV tile spills a few registers and was still the fastest there; larger tiles (128
+# keys in dK/dV, 128x128 anywhere) spill more or run out of shared memory at d = 128. The wide
+# entries also serve the (64, 128) narrow layers.
 TILES = {
     ("fwd", True): (64, 64, 4, 3),
     ("fwd", False): (64, 64, 4, 3),
     ("dkdv", True): (64, 64, 4, 2),
-    ("dkdv", False): (64, 64, 4, 2),
-    ("dq", True): (128, 32, 8, 3),
+    ("dkdv", False): (32, 64, 4, 2),
+    ("dq", True): (64, 64, 4, 2),
     ("dq", False): (128, 32, 8, 3),
 }
 # The interpreter gets small tiles so that the CPU tests cross many tile edges at a few
