@@ -54,7 +54,11 @@ class _Reference:
     fused_refresh = False  # Fp8MLPState refreshes through the PyTorch ops (the reference)
 
     def quant(self, src: Tensor, inv_scale: Tensor, dtype: torch.dtype, rows_out: int,
-              want_row: bool = True, want_t: bool = True) -> tuple[Tensor, Tensor]:
+              want_row: bool = True, want_t: bool = True, clear: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """``src`` quantized, and its transpose; ``clear`` (a 1-element fp32 running max of a
+        later call) is set to 0."""
+        if clear is not None:
+            clear.zero_()
         q = quantize(src, inv_scale, dtype)
         return q, q.t()
 
@@ -97,10 +101,12 @@ class _Fast:
     row_align = SCALED_MM_ALIGN
 
     def quant(self, src: Tensor, inv_scale: Tensor, dtype: torch.dtype, rows_out: int,
-              want_row: bool = True, want_t: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
+              want_row: bool = True, want_t: bool = True, clear: Optional[Tensor] = None,
+              ) -> tuple[Optional[Tensor], Optional[Tensor]]:
         from ..triton.fp8_quant import quantize_dual  # imports triton: the fast path only
 
-        row, t, _ = quantize_dual(src, inv_scale, dtype, rows_out=rows_out, write_row=want_row, write_t=want_t)
+        row, t, _ = quantize_dual(src, inv_scale, dtype, rows_out=rows_out, write_row=want_row, write_t=want_t,
+                                  clear=clear)
         return row, t
 
     def quant_weight(self, w: Tensor, inv_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

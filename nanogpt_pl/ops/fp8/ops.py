@@ -315,9 +315,9 @@ def _mlp_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, dpre_probe: Tensor, c1
     ``w_fc``, ``w_proj`` and ``dpre_probe`` only receive gradients (the probe: max |dpre|)."""
     n = x.shape[0]
     k, rows = _backend(kern, n)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    amax = torch.empty((), dtype=torch.float32, device=x.device)  # max(post), cleared by the quantize
     with torch.autocast(x.device.type, enabled=False):
-        xq, xt = k.quant(x, x_inv, E4M3, rows)
+        xq, xt = k.quant(x, x_inv, E4M3, rows, clear=amax)
         post, post_t = k.up_relu2(xq, c1_row, x_scale, w1_scale, post_inv, amax, fused)
         y = k.mm(post, c2_col, post_scale, w2_scale, x.dtype, True)
     y = _unpadded(y, n)
@@ -346,9 +346,9 @@ def _mlp_backward_impl(gy: Tensor, xt: Tensor, post: Tensor, post_t: Tensor, c1_
     """``(dx [n, D], dW_fc [H, D], dW_proj [H, D], max |dpre| fp32)``."""
     n = gy.shape[0]
     k, rows = _backend(kern, n)
-    amax = torch.zeros((), dtype=torch.float32, device=gy.device)
+    amax = torch.empty((), dtype=torch.float32, device=gy.device)  # max |dpre|, cleared by the quantize
     with torch.autocast(gy.device.type, enabled=False):
-        gq, gt = k.quant(gy, grad_inv, E5M2, rows)
+        gq, gt = k.quant(gy, grad_inv, E5M2, rows, clear=amax)
         dw2 = k.mm(post_t, gt, post_scale, grad_scale, w2_dtype, False)
         dq, dqt = k.dpre(gq, c2_row, grad_scale, w2_scale, post, post_scale, dpre_inv, amax, fused)
         dw1 = k.mm(dqt, xt, dpre_scale, x_scale, w1_dtype, False)

@@ -115,13 +115,15 @@ def to_fp8(v, E5M2: tl.constexpr, HARDWARE: tl.constexpr = _HARDWARE_ROUNDING):
 
 
 @triton.jit
-def _quantize_dual_kernel(src_ptr, row_ptr, t_ptr, inv_scale_ptr, tile_amax_ptr,
+def _quantize_dual_kernel(src_ptr, row_ptr, t_ptr, inv_scale_ptr, tile_amax_ptr, clear_ptr,
                           m_src, m_out, k, stride_sm, stride_sk,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E5M2: tl.constexpr,
                           WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, TILE_AMAX: tl.constexpr,
-                          AMAX_ATOMIC: tl.constexpr):
+                          AMAX_ATOMIC: tl.constexpr, CLEAR: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if CLEAR:  # the next kernel's running max starts here, instead of in a fill launch of its own
+        tl.store(clear_ptr, 0.0, mask=(pid_m == 0) & (pid_k == 0))
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_k = offs_k < k
@@ -152,7 +154,7 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.dtype, *,
                   rows_out: int | None = None, write_row: bool = True, write_t: bool = True,
                   tile_amax: bool = False, amax_into: torch.Tensor | None = None,
-                  block: tuple[int, int] = _GPU_TILE,
+                  clear: torch.Tensor | None = None, block: tuple[int, int] = _GPU_TILE,
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize a 2-D ``src`` [M, K] to ``fp8_dtype`` as ``clamp(src * inv_scale)``.
 
@@ -168,6 +170,8 @@ def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.d
             lagged weight scales.
         amax_into: a 1-element fp32 tensor that instead receives max(itself, max |src|) by
             atomic max (no per-tile buffer, no reduction launch); returned in the third slot.
+        clear: a 1-element fp32 tensor this launch sets to 0, for a later kernel's atomic max
+            (a kernel that runs anyway, where a fill would be a launch of its own).
         block: (BLOCK_M, BLOCK_K) tile.
 
     Returns:
@@ -190,9 +194,10 @@ def quantize_dual(src: torch.Tensor, inv_scale: torch.Tensor, fp8_dtype: torch.d
         src, row if row is not None else _dummy(dev, fp8_dtype),
         t if t is not None else _dummy(dev, fp8_dtype), inv_scale,
         amax if amax is not None else _dummy(dev, torch.float32),
+        clear if clear is not None else _dummy(dev, torch.float32),
         m, m_out, k, src.stride(0), src.stride(1),
         BLOCK_M=bm, BLOCK_K=bk, E5M2=fp8_dtype == torch.float8_e5m2,
         WRITE_ROW=write_row, WRITE_T=write_t, TILE_AMAX=tile_amax or amax_into is not None,
-        AMAX_ATOMIC=amax_into is not None,
+        AMAX_ATOMIC=amax_into is not None, CLEAR=clear is not None,
         num_warps=8 if bm * bk >= 128 * 128 else 4)
     return row, t, amax
