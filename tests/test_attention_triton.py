@@ -131,6 +131,23 @@ def test_matches_references(d_qk, d_v, layout):
 
 
 @interp
+@pytest.mark.parametrize("d_qk,d_v", HEAD_DIMS)
+def test_gpu_tiles_match_references(d_qk, d_v, monkeypatch):
+    """The tiles the GPU launches (``TILES``, not the interpreter's small ones) at a few hundred
+    tokens: each kernel's key ranges and masks at the tile sizes the record's shapes run with."""
+    from nanogpt_pl.ops.triton import attention as A
+
+    wide = max(d_qk, d_v) > 64
+    monkeypatch.setattr(A, "_INTERP_TILES", {kind: A.TILES[(kind, wide)] for kind in ("fwd", "dkdv", "dq")})
+    assert A._tiles("dq", d_qk, d_v) == A.TILES[("dq", wide)]
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    # windows and documents a few tiles long, so that each kernel's unmasked middle range runs too
+    long_docs = ("documents and window a few tiles long", 448, 150, lambda rng, n: rng.integers(100, 320, size=n))
+    for layout in (LAYOUTS[0], LAYOUTS[2], long_docs):
+        check_layout(d_qk, d_v, layout, seed)
+
+
+@interp
 def test_strided_views_and_backend_dispatch():
     """q, k, v as views of one packed [N, H, 2·d_qk + d_v] tensor, through ``packed_attention``."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
