@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_group import init_gloo, leave, store_path
+from gloo_group import init_gloo, leave, spawn_ranks, store_path
 
 from nanogpt_pl.optim.adam import DistAdam
 from nanogpt_pl.optim.anvil import Anvil
@@ -202,7 +201,7 @@ def single_process(dtype: torch.dtype, world: int, steps: range, params=None, st
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, store_path(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, store_path(tmp_path), str(tmp_path)), world)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for dtype in DTYPES:
         key = str(dtype)

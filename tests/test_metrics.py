@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, leave, store_path
+from gloo_group import init_gloo, leave, spawn_ranks, store_path
 
 from nanogpt_pl.metrics import BitsPerByte, MeanTokenLoss, token_byte_lengths
 from nanogpt_pl.ops.cross_entropy import softcap
@@ -83,7 +82,7 @@ def _worker(rank: int, world: int, store: str, out: str, seed: int) -> None:
 @pytest.mark.slow
 def test_two_ranks_with_uneven_batches_equal_one_direct_computation(tmp_path):
     seed = int(torch.randint(0, 10**6, ()).item())  # fresh inputs each run
-    mp.spawn(_worker, args=(2, store_path(tmp_path), str(tmp_path), seed), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, store_path(tmp_path), str(tmp_path), seed), 2)
     assert [int((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)] == [CHECKS, CHECKS], seed
 
 

@@ -30,9 +30,8 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, leave, store_path
+from gloo_group import init_gloo, leave, spawn_ranks, store_path
 from seeds import fresh_seed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -227,7 +226,7 @@ def test_fixed_exchange_equals_the_reference_in_one_process() -> None:
 @pytest.mark.slow
 def test_fixed_exchange_equals_the_reference_at_2_4_8_ranks(tmp_path: Path) -> None:
     seed = fresh_seed()
-    mp.spawn(_compare_worker, args=(8, store_path(tmp_path), str(tmp_path), seed), nprocs=8, join=True)
+    spawn_ranks(_compare_worker, (8, store_path(tmp_path), str(tmp_path), seed), 8)
     for rank in range(8):
         out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for world in (2, 4, 8):
@@ -377,7 +376,7 @@ def test_fixed_exchange_makes_no_host_sync_in_one_process() -> None:
 
 @pytest.mark.slow
 def test_fixed_exchange_makes_no_host_sync_at_2_ranks(tmp_path: Path) -> None:
-    mp.spawn(_sync_worker, args=(2, store_path(tmp_path), str(tmp_path), fresh_seed()), nprocs=2, join=True)
+    spawn_ranks(_sync_worker, (2, store_path(tmp_path), str(tmp_path), fresh_seed()), 2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["fixed"] == "ok"
@@ -555,7 +554,7 @@ def _overflow_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_a_request_past_its_slot_stops_the_run_with_the_fix(tmp_path: Path) -> None:
-    mp.spawn(_overflow_worker, args=(2, store_path(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_overflow_worker, (2, store_path(tmp_path), str(tmp_path)), 2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["message"] in result["overflow"], result["overflow"]

@@ -21,9 +21,8 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo_group import init_gloo, leave, store_path
+from gloo_group import init_gloo, leave, spawn_ranks, store_path
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -181,7 +180,7 @@ def single_process() -> dict:
 
 @pytest.mark.slow
 def test_sharded_ranks_equal_one_process(tmp_path: Path, single_process: dict) -> None:
-    mp.spawn(_worker, args=(8, store_path(tmp_path), str(tmp_path)), nprocs=8, join=True)
+    spawn_ranks(_worker, (8, store_path(tmp_path), str(tmp_path)), 8)
     per_process = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(8)]
     for world in (2, 4, 8):
         losses = {}

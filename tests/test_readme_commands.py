@@ -143,7 +143,6 @@ def check_ablation_configs(argv: list[str], cwd: Path) -> None:
         assert yaml.safe_load(stdout)["trainer"]["max_steps"] == args.steps
 
 
-@pytest.mark.slow
 def tool_of(argv: list[str]) -> str | None:
     """The ``nanogpt-pl`` sub-command of ``argv`` (None for ``main.py`` and other programs)."""
     return argv[3] if argv[1:3] == ["-m", "nanogpt_pl.cli"] and len(argv) > 3 else None
