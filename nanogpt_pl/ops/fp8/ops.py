@@ -72,7 +72,7 @@ def _fold_probe(target: "weakref.ref[Tensor]", probe: Tensor) -> None:
     buf = target()
     if buf is not None and probe.grad is not None:
         with torch.no_grad():
-            buf.copy_(torch.maximum(buf, probe.grad))
+            torch.maximum(buf, probe.grad, out=buf)  # in place: one launch, where max-then-copy made two
     probe.grad = None
 
 
