@@ -24,6 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # that inherits LOCAL_RANK would take itself for a launched rank and wait for its peers.
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED",
                "PL_SEED_WORKERS")
+
+
+def command_env(threads: Optional[int] = 1) -> dict[str, str]:
+    """The environment the tests give a command-line run: this process's without :data:`LAUNCH_VARS`,
+    ``PYTHONPATH`` the repository and ``threads`` OpenMP threads (None: as this process has it)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = str(ROOT)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 # test node id -> main.py arguments, for the runs the session starts early
 RUNS: dict[str, list[str]] = {
     "test_quickstart.py::test_quickstart_config_end_to_end":
@@ -86,9 +96,7 @@ class BackgroundRun:
 
     def __init__(self, args: list[str]) -> None:
         self.cwd = Path(tempfile.mkdtemp(prefix="nanogpt-pl-bg-"))
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self._process = Process([sys.executable, str(ROOT / "main.py"), *args], env, self.cwd)
+        self._process = Process([sys.executable, str(ROOT / "main.py"), *args], command_env(), self.cwd)
 
     def result(self, timeout: float) -> Finished:
         return Finished(*self._process.wait(timeout), self.cwd)

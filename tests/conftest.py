@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from background import LAUNCH_VARS, is_background_test, start_runs, stop_runs
+from background import command_env, is_background_test, start_runs, stop_runs
 from interpreter import is_launcher_module, register_session_modules, start_session_child, stop_children
 from seeds import fresh_seed
 from train_helpers import write_markov_shards
@@ -120,23 +120,20 @@ def cli_in_process(args: list[str], cwd: Path | None = None) -> tuple[int, str, 
 
 
 def cli_in_process_as_command(args: list[str], cwd: Path | None = None) -> tuple[int, str, str]:
-    """:func:`cli_in_process` under the environment a command-line run gets (the launch variables
+    """:func:`cli_in_process` under the environment a command-line run gets (``command_env``: the launch variables
     removed, ``PYTHONPATH`` the repository, one OpenMP thread), restored afterwards: for the commands
     that train nothing themselves (``ablate`` starts each run as a process of its own, which inherits it)."""
     from unittest import mock
 
     with mock.patch.dict(os.environ):
-        for name in LAUNCH_VARS:
-            os.environ.pop(name, None)
-        os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = command_env()
+        os.environ.clear()
+        os.environ.update(env)
         return cli_in_process(args, cwd)
 
 
 def _run_cli(args: list[str], cwd: Path, timeout: int = 600, threads: int | None = 1) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONPATH=str(ROOT))
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+    env = command_env(threads)
     # a process of its own, forked from a warm one that imported the project already (tests/warm_python.py)
     return warm_run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, timeout=timeout)
 

@@ -155,7 +155,7 @@ make_trainer({root!r}, callbacks=[ckpt], enable_checkpointing=True,
 def test_a_kill_during_the_background_write_leaves_no_complete_looking_checkpoint(toy_files, tmp_path, monkeypatch):
     """SIGKILL while the second save's side file is half written: the first checkpoint survives (its removal
     waits for the second save), ``last`` still points at it, and the broken one is named as incomplete."""
-    from conftest import LAUNCH_VARS
+    from background import command_env
     from lightning.pytorch.callbacks import ModelCheckpoint
     from train_helpers import LossRecorder, make_trainer
 
@@ -165,9 +165,7 @@ def test_a_kill_during_the_background_write_leaves_no_complete_looking_checkpoin
                                          ckpt_dir=str(ckpt_dir), root=str(tmp_path / "run")))
     from warm_python import run
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=600)  # forked from a warm process
+    out = run([sys.executable, str(script)], cwd=tmp_path, env=command_env(), timeout=600)  # forked from a warm process
     assert out.returncode == -9, out.stderr[-3000:]  # killed, not finished
     good, broken = ckpt_dir / "epoch=0-step=2.ckpt", ckpt_dir / "epoch=0-step=4.ckpt"
     assert good.exists() and Path(rank_file(good, 0)).exists()
@@ -211,7 +209,7 @@ def csv_losses(work: Path) -> dict[int, float]:
 def test_two_gloo_ranks_resume_from_async_side_files_bit_exact(tmp_path, monkeypatch, toy_config, run_cli):
     """devices=2 through the CLI: a straight 6-step run with async checkpoints every 3 steps, and a run
     resumed from its step-3 checkpoint, end with the same weights, tables and Adam state bit for bit."""
-    from conftest import LAUNCH_VARS
+    from background import LAUNCH_VARS
     from train_helpers import write_markov_shards
 
     for name in LAUNCH_VARS:

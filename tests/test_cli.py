@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LAUNCH_VARS, cli_in_process
+from background import command_env
+from conftest import cli_in_process
 
 from nanogpt_pl.config_files import expand_config_bases, load_config
 
@@ -299,10 +299,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
     data["schedule"]["stages"][0]["steps"] = 2000
     data["data"]["epochs"] = 10
     cfg.write_text(yaml.safe_dump(data))
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     err = bytearray()  # the progress bar writes to stdout, the stop message to stderr: both here
     reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from background import command_env
 from conftest import cli_in_process, cli_in_process_as_command
-from test_cli import LAUNCH_VARS, ROOT
+from test_cli import ROOT
 from warm_python import run as warm_run
 
 README = ROOT / "README.md"
@@ -83,9 +84,7 @@ def argv_of(command: str) -> list[str]:
 
 def run(argv: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """``argv`` in a process of its own (forked from the warm process of tests/warm_python.py)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return warm_run(argv, cwd=cwd, env=env, timeout=timeout)
+    return warm_run(argv, cwd=cwd, env=command_env(), timeout=timeout)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from background import LAUNCH_VARS
+from background import command_env
 from conftest import cli_in_process_as_command
 from seeds import fresh_seed
 
@@ -34,9 +34,7 @@ def nanogpt_pl(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess
     """``nanogpt-pl ARGS`` in a process of its own (forked from the warm process of tests/warm_python.py)."""
     from warm_python import run
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return run([sys.executable, "-m", "nanogpt_pl.cli", *args], cwd=cwd, env=env, timeout=600)
+    return run([sys.executable, "-m", "nanogpt_pl.cli", *args], cwd=cwd, env=command_env(), timeout=600)
 
 
 def nanogpt_pl_here(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import warm_python
-from background import LAUNCH_VARS
+from background import command_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +39,8 @@ elif mode == "kill":
 
 def env_of(**extra: str) -> dict[str, str]:
     """The environment ``run_cli`` gives a run (so this run is forked from the same warm process), and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS + ("WARM_CHECK", "WARM_LEAK")}
-    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    env = {k: v for k, v in command_env().items() if k not in ("WARM_CHECK", "WARM_LEAK")}
+    return {**env, **extra}
 
 
 @pytest.fixture(scope="module")
