@@ -396,19 +396,22 @@ class StepGraphs:
 
     def _attach(self, used: Sequence[Tensor]) -> None:
         """Point each used parameter's ``.grad`` at its buffer, keeping what the step accumulated."""
-        fresh = []
+        # one zeroing launch per (device, dtype): CUDA's foreach kernels take a list of one dtype
+        # only, and a mixed list falls back to a fill per tensor (the bf16 matrices and the fp32
+        # scalars of a step's first micro-batch: about 45 launches)
+        fresh: dict[tuple, list[Tensor]] = {}
         for p in used:
             buf = self.grads[id(p)]
             g = p.grad
             if g is buf:
                 continue
             if g is None:
-                fresh.append(buf)
+                fresh.setdefault((buf.device, buf.dtype), []).append(buf)
             else:
                 buf.copy_(g)
             p.grad = buf
-        if fresh:
-            torch._foreach_zero_(fresh)
+        for bufs in fresh.values():
+            torch._foreach_zero_(bufs)
 
     # -- one micro-batch -----------------------------------------------------------------------
     def run(self, key: Any, inputs: Any, forward: Callable[[Any], tuple[Tensor, Tensor]],

@@ -404,6 +404,25 @@ def test_gradient_buffers_follow_eager_none_semantics():
     assert c.grad is None  # a parameter no key used keeps None (optimizers skip it)
 
 
+def test_fresh_gradient_buffers_are_zeroed_one_launch_per_dtype(monkeypatch, random_seed):
+    # CUDA's _foreach_zero_ takes its one-kernel route only for a list of one dtype; a mixed list
+    # falls back to a fill per tensor, so _attach groups the step's fresh buffers by dtype
+    params = [torch.nn.Parameter(torch.randn(4, 3).to(dt)) for dt in (torch.bfloat16, torch.float32) * 3]
+    graphs = StepGraphs(params)
+    graphs.grads = {id(p): torch.randn_like(p) for p in params}
+    params[2].grad = torch.randn_like(params[2])  # accumulated eagerly earlier in the step: copied, not zeroed
+    kept = params[2].grad.clone()
+    calls = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (calls.append(list(ts)), real(ts)))
+    graphs._attach(params)
+    assert sorted((len(c), c[0].dtype) for c in calls) == [(2, torch.bfloat16), (3, torch.float32)]
+    assert all(len({t.dtype for t in c}) == 1 for c in calls)
+    for i, p in enumerate(params):
+        assert p.grad is graphs.grads[id(p)]
+        assert torch.equal(p.grad, kept if i == 2 else torch.zeros_like(p))
+
+
 def test_backward_into_grads_accumulates_autograds_bits_into_the_same_buffers(random_seed, one_thread):
     # the record network (every layer kind, FP8 reference layers, n-gram and value embeddings):
     # two micro-batches through autograd's own accumulation against the captured form, which
