@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_timing import graphed, time_cuda  # noqa: E402
+from benchmarks.gpu_timing import time_replayed  # noqa: E402
 from nanogpt_pl.model.attention import (  # noqa: E402
     FLASH_MODULES,
     _flash_fn,
@@ -202,8 +202,8 @@ def main() -> None:
                         return fn(q, k, v)
 
                 outs[backend] = fwd().float()
-                t = timed(step, [q, k, v], warmup, iters, args.no_graph, f"{name} {backend}")
-                tf = timed(fwd, [], warmup, iters, args.no_graph, f"{name} {backend} forward")
+                t = time_replayed(step, [q, k, v], warmup, iters, args.no_graph, f"{name} {backend}")
+                tf = time_replayed(fwd, [], warmup, iters, args.no_graph, f"{name} {backend} forward")
             except Exception as e:
                 if backend == "triton":
                     raise
@@ -227,20 +227,6 @@ def main() -> None:
         if flex_ms:
             met = "MET" if name == "wide" and flex_ms / ms >= 1.6 else ("NOT MET" if name == "wide" else "")
             print(f"{name} window {window}: triton {flex_ms / ms:.2f}x flex {met}".rstrip())
-
-
-def timed(step: Callable, leaves: list, warmup: int, iters: int, no_graph: bool, what: str):
-    """``step``'s median time replayed from a CUDA graph (the GPU's time, as the captured training
-    step runs it), or launched from the host with ``no_graph`` or where the capture fails (said
-    in one line: those figures then include the host's launches)."""
-    if not no_graph:
-        try:
-            return time_cuda(graphed(step, leaves), warmup, iters)
-        except Exception as e:  # noqa: BLE001 - a backend whose calls cannot be captured
-            torch.cuda.synchronize()
-            first = str(e).splitlines()[0][:80] if str(e) else ""
-            print(f"{what}: CUDA graph capture failed ({type(e).__name__}: {first}); timed from the host instead")
-    return time_cuda(step, warmup, iters, leaves)
 
 
 def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters, kinds: list[str], no_graph: bool) -> None:
@@ -278,7 +264,7 @@ def sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters, kinds: l
                     out = step().float()
                     reference = out if reference is None else reference
                     mark += f"  max |out - default's| {(out - reference).abs().max().item():.1e}"
-                t = timed(step, [] if kind == "fwd" else [q, k, v], 2, max(5, iters // 2), no_graph,
+                t = time_replayed(step, [] if kind == "fwd" else [q, k, v], 2, max(5, iters // 2), no_graph,
                           f"{kind} {bm} x {bn}")
                 print(f"  {kind:<5} {bm:>4} {bn:>4} {warps:>2} {stages:>2} {t.median_ms:8.3f}{mark}")
             except Exception as e:  # a tile too large for shared memory fails to launch

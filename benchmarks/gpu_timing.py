@@ -81,6 +81,21 @@ def graphed(step: Callable[[], Any], leaves: Sequence[torch.Tensor] = ()) -> Cal
     return graph.replay
 
 
+def time_replayed(step: Callable[[], Any], leaves: Sequence[torch.Tensor], warmup: int, iters: int,
+                  no_graph: bool = False, what: str = "step") -> Timing:
+    """``step``'s time replayed from a CUDA graph (the GPU's time, as the captured training step
+    runs it), or launched from the host with ``no_graph`` or where the capture fails (said in one
+    line naming ``what``: those figures then include the host's launches)."""
+    if not no_graph:
+        try:
+            return time_cuda(graphed(step, leaves), warmup, iters)
+        except Exception as e:  # noqa: BLE001 - a backend whose calls cannot be captured
+            torch.cuda.synchronize()
+            first = str(e).splitlines()[0][:80] if str(e) else ""
+            print(f"{what}: CUDA graph capture failed ({type(e).__name__}: {first}); timed from the host instead")
+    return time_cuda(step, warmup, iters, leaves)
+
+
 def copy_bandwidth(like: torch.Tensor, iters: int) -> float:
     """Bytes a second, read + written, of a device copy of a tensor shaped and typed like ``like``
     (median of ``iters``): the bandwidth the memory-bound benchmarks state their floors in."""

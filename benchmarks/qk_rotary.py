@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_timing import copy_bandwidth, graphed, print_floor_table, time_cuda  # noqa: E402
+from gpu_timing import copy_bandwidth, print_floor_table, time_replayed  # noqa: E402
 
 from nanogpt_pl.model.attention import qk_norm_rotary  # noqa: E402
 
@@ -80,9 +80,7 @@ def main() -> None:
                 qo, ko = fn(qkv)
                 torch.autograd.backward([qo, ko], [gq, gk])
 
-            if args.no_graph:
-                return time_cuda(step, 3, args.iters, [qkv]).median_ms
-            return time_cuda(graphed(step, [qkv]), 3, args.iters).median_ms
+            return time_replayed(step, [qkv], 3, args.iters, args.no_graph, f"{name} {backend}").median_ms
 
         times = {backend: timed(backend) for backend in ("reference", "triton")}
         kept = kernels.TILES[d]
