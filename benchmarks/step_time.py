@@ -38,7 +38,8 @@ variant in its own process of the same run, and gives plain/variant: a same-run 
 switches, e.g. ``--variant anvil_triton model.backends.anvil=triton``. An override ``env:NAME=VALUE`` sets an
 environment variable of that loop's process instead, e.g. ``--variant default_queues
 env:CUDA_SCALE_LAUNCH_QUEUES=1x`` (every loop starts with the launch queues ``main.py`` uses,
-``nanogpt_pl/launch_queues.py``; the report names the scale).
+``nanogpt_pl/launch_queues.py``, and cuBLASLt's workspace, ``nanogpt_pl/gemm_workspace.py``; the
+report names both).
 
 ``--rounds R`` runs the whole sequence of loops R times, back to back (plain, its variants, plain,
 ...), and reports each loop's median round, every round's ms/step and each variant's ratio within
@@ -104,6 +105,8 @@ from callbacks.speedrun_timer import reserve_run_shapes  # noqa: E402
 from nanogpt_pl.capture import FrozenGC  # noqa: E402
 from nanogpt_pl.cli import cli_main  # noqa: E402
 from nanogpt_pl.config_files import load_config  # noqa: E402
+from nanogpt_pl.gemm_workspace import ENV as WORKSPACE_ENV  # noqa: E402
+from nanogpt_pl.gemm_workspace import GemmWorkspaceError, set_cublaslt_workspace  # noqa: E402
 from nanogpt_pl.launch_queues import LaunchQueueError, scale_launch_queues  # noqa: E402
 
 ENV_PREFIX = "env:"  # a variant override that sets an environment variable of its loop
@@ -194,6 +197,13 @@ def child_env(mode: str, variants: list[tuple[str, list[str]]]) -> Optional[dict
         return None
     _, env = split_env(dict(variants)[mode.split(" ", 1)[1]])
     return {**os.environ, **env} if env else None
+
+
+def one_or_each(values: dict[str, str]) -> str:
+    """A setting of every loop: the value once where all share it, else each loop's in turn."""
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return ", ".join(f"{mode} {value}" for mode, value in values.items())
 
 
 def combine_rounds(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -856,7 +866,8 @@ def main() -> None:
     a = ap.parse_args()
     try:
         queues = scale_launch_queues()  # as main.py does, before anything initializes CUDA
-    except LaunchQueueError as exc:
+        set_cublaslt_workspace()  # the loops' processes inherit it
+    except (LaunchQueueError, GemmWorkspaceError) as exc:
         sys.exit(f"step_time: {exc}")
     if a.rounds < 1:
         sys.exit(f"step_time: --rounds {a.rounds}: give 1 or more")
@@ -926,8 +937,11 @@ def main() -> None:
     print(f"device: {device}  torch {torch.__version__}  "
           f"date {datetime.date.today().isoformat()}")
     scales = {mode: r.get("queues") or "driver default" for mode, r in results.items()}
-    print("launch queues (CUDA_SCALE_LAUNCH_QUEUES): " + (next(iter(scales.values())) if len(set(scales.values())) == 1
-                                                          else ", ".join(f"{m} {v}" for m, v in scales.items())))
+    print(f"launch queues (CUDA_SCALE_LAUNCH_QUEUES): {one_or_each(scales)}")
+    # what each loop's process read: its environment (a baseline tree too old to set one inherits this one's)
+    sizes = {mode: (child_env(mode, variants) or os.environ).get(WORKSPACE_ENV) for mode in results}
+    print("cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE): "
+          + one_or_each({m: "PyTorch's default" if v is None else f"{v} KiB" for m, v in sizes.items()}))
     print(f"model FLOPs/token (dense, full vocab): {flops_tok / 1e9:.3f} GFLOP")
     print(f"{'loop':<12} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'peak GiB':>9} {'vs plain':>9} {'GPU busy':>9}")
     base = results.get("plain")

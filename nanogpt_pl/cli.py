@@ -44,6 +44,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from .config_files import expand_config_bases, load_config
 from .data.datamodule import SpeedrunDataModule
 from .distributed.strategy import SpeedrunStrategy  # noqa: F401  (registers trainer.strategy: speedrun)
+from .gemm_workspace import set_cublaslt_workspace
 from .launch_queues import scale_launch_queues
 from .model.gpt import GPT, GPTConfig
 from .module import SpeedrunModule
@@ -414,6 +415,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return tools_main(argv)
     try:
         scale_launch_queues()  # before anything initializes CUDA (nanogpt_pl/launch_queues.py)
+        set_cublaslt_workspace()  # likewise: no cuBLASLt workspace, no memset a GEMM (nanogpt_pl/gemm_workspace.py)
         for flag in OPTIMIZER_FLAGS:
             if any(a == flag or a.startswith(flag + "=") or a.startswith(flag + ".") for a in argv):
                 raise UserError(f"{flag}: this project builds its optimizers from model.optim "

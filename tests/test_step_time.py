@@ -332,14 +332,15 @@ def _run_main(argv: list[str], capsys) -> tuple[object, str]:
     """``python benchmarks/step_time.py ARGV`` in this process, from the repository root: (the exit
     status main() ends with, None for a normal return; its stdout). An interpreter start-up (torch
     and the project, about 5 s on 2 cores) saved per call; the loops it starts are processes of
-    their own, as from the command line. Its environment changes (the launch queues' variable)
-    are undone after it."""
+    their own, as from the command line. Its environment changes (the launch queues' and the
+    cuBLASLt workspace's variables) are undone after it."""
     from unittest import mock
 
     mod = _step_time()
     here = os.getcwd()
     with mock.patch.dict(os.environ), mock.patch("sys.argv", [mod.__file__, *argv]):
         os.environ.pop("CUDA_SCALE_LAUNCH_QUEUES", None)
+        os.environ.pop("CUBLASLT_WORKSPACE_SIZE", None)
         os.chdir(ROOT)
         try:
             mod.main()
@@ -396,7 +397,8 @@ def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path, capsys):
                                 "--set", "model.gpt.skip_from=null", "--set", "model.gpt.skip_to=null",
                                 "--set", "model.gpt.model_dim=32", "--set", "model.gpt.head_dim=16",
                                 "--set", "model.gpt.mlp_hidden=64", "--baseline", str(tree),
-                                "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x"], capsys)
+                                "--variant", "q1", "env:CUDA_SCALE_LAUNCH_QUEUES=1x",
+                                "env:CUBLASLT_WORKSPACE_SIZE=32768"], capsys)
     assert status is None, stdout[-5000:]
     assert (tree / "imported").is_file() and not (ROOT / "imported").exists()
     rows = [ln.split() for ln in stdout.splitlines()]
@@ -406,6 +408,9 @@ def test_a_baseline_tree_runs_its_own_code_in_the_same_run(tmp_path, capsys):
     # every loop starts with main.py's launch queues; the variant's own environment gives it 1x (the
     # baseline tree's copy of the script sets the default too, inherited or its own)
     assert "launch queues (CUDA_SCALE_LAUNCH_QUEUES): plain 4x, baseline 4x, variant q1 1x" in stdout
+    # likewise cuBLASLt's workspace: none unless the variant's environment names a size
+    assert ("cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE): plain 0 KiB, baseline 0 KiB, variant q1 32768 KiB"
+            in stdout)
 
 
 def test_blocking_calls_are_named_by_their_project_callers():
