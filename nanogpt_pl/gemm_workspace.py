@@ -18,9 +18,10 @@ already names a size: ``CUBLASLT_WORKSPACE_SIZE=32768 python main.py fit ...`` g
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Optional
+
+from .launch_queues import cuda_initialized
 
 ENV = "CUBLASLT_WORKSPACE_SIZE"
 DEFAULT_KIB = "0"  # no workspace: the static-scheduler kernels, no memset before each FP8 GEMM
@@ -28,11 +29,6 @@ DEFAULT_KIB = "0"  # no workspace: the static-scheduler kernels, no memset befor
 
 class GemmWorkspaceError(ValueError):
     """A malformed ``CUBLASLT_WORKSPACE_SIZE`` value in the environment."""
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")  # never import torch just to ask
-    return torch is not None and torch.cuda.is_initialized()
 
 
 def _check(value: str, where: str) -> str:
@@ -56,7 +52,7 @@ def set_cublaslt_workspace(default: Optional[str] = DEFAULT_KIB) -> Optional[str
     if default is None:
         return None
     _check(default, "cuBLASLt workspace")
-    if _cuda_initialized():
+    if cuda_initialized():
         warnings.warn(f"{ENV} not set: CUDA is already initialized in this process, so cuBLASLt keeps "
                       "PyTorch's default workspace")
         return None

@@ -33,7 +33,8 @@ class LaunchQueueError(ValueError):
     """A malformed ``CUDA_SCALE_LAUNCH_QUEUES`` value in the environment."""
 
 
-def _cuda_initialized() -> bool:
+def cuda_initialized() -> bool:
+    """Whether CUDA is initialized in this process (without importing torch to ask)."""
     torch = sys.modules.get("torch")  # never import torch just to ask
     return torch is not None and torch.cuda.is_initialized()
 
@@ -56,7 +57,7 @@ def scale_launch_queues(default: Optional[str] = DEFAULT_SCALE) -> Optional[str]
         return None
     if not _SCALE.match(default):
         raise LaunchQueueError(f"launch queue scale {default!r}: give a scale such as 4x")
-    if _cuda_initialized():
+    if cuda_initialized():
         warnings.warn(f"{ENV} not set: CUDA is already initialized in this process, so the launch queues "
                       "keep the driver's default size")
         return None

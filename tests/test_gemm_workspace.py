@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_pl import gemm_workspace
+from nanogpt_pl import launch_queues
 from nanogpt_pl.gemm_workspace import ENV, GemmWorkspaceError, set_cublaslt_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_once_cuda_is_initialized_nothing_is_set_and_it_says_so(monkeypatch):
     with pytest.warns(UserWarning, match="CUDA is already initialized"):
         assert set_cublaslt_workspace() is None
     assert ENV not in os.environ
-    assert gemm_workspace._cuda_initialized()
+    assert launch_queues.cuda_initialized()
 
 
 def test_main_sets_the_size_before_training(monkeypatch):

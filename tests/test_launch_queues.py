@@ -43,7 +43,7 @@ def test_once_cuda_is_initialized_nothing_is_set_and_it_says_so(monkeypatch):
     with pytest.warns(UserWarning, match="CUDA is already initialized"):
         assert scale_launch_queues() is None
     assert ENV not in os.environ
-    assert launch_queues._cuda_initialized()
+    assert launch_queues.cuda_initialized()
 
 
 def test_main_sets_the_scale_before_training(monkeypatch, capsys):
