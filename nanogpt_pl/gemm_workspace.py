@@ -17,11 +17,9 @@ already names a size: ``CUBLASLT_WORKSPACE_SIZE=32768 python main.py fit ...`` g
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Optional
 
-from .launch_queues import cuda_initialized
+from .cuda_env import default_before_cuda
 
 ENV = "CUBLASLT_WORKSPACE_SIZE"
 DEFAULT_KIB = "0"  # no workspace: the static-scheduler kernels, no memset before each FP8 GEMM
@@ -31,8 +29,9 @@ class GemmWorkspaceError(ValueError):
     """A malformed ``CUBLASLT_WORKSPACE_SIZE`` value in the environment."""
 
 
-def _check(value: str, where: str) -> str:
+def _check(value: str, from_environment: bool) -> str:
     if not value.isdigit():
+        where = ENV if from_environment else "cuBLASLt workspace"
         raise GemmWorkspaceError(f"{where}={value!r}: give a size in KiB such as 0 (no workspace) or 32768 (32 MiB)")
     return value
 
@@ -46,15 +45,4 @@ def set_cublaslt_workspace(default: Optional[str] = DEFAULT_KIB) -> Optional[str
     Processes started from this one (Lightning's launcher of the other ranks, a benchmark's loops)
     inherit it.
     """
-    value = os.environ.get(ENV)
-    if value is not None:
-        return _check(value.strip(), ENV)
-    if default is None:
-        return None
-    _check(default, "cuBLASLt workspace")
-    if cuda_initialized():
-        warnings.warn(f"{ENV} not set: CUDA is already initialized in this process, so cuBLASLt keeps "
-                      "PyTorch's default workspace")
-        return None
-    os.environ[ENV] = default
-    return default
+    return default_before_cuda(ENV, default, _check, "cuBLASLt keeps PyTorch's default workspace")

@@ -17,11 +17,10 @@ after hangs on a Jetson, ggml-org/llama.cpp#19227).
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-import warnings
 from typing import Optional
+
+from .cuda_env import default_before_cuda
 
 ENV = "CUDA_SCALE_LAUNCH_QUEUES"
 # four times the driver's default queue: the largest scale the CUDA programming guide lists
@@ -33,10 +32,12 @@ class LaunchQueueError(ValueError):
     """A malformed ``CUDA_SCALE_LAUNCH_QUEUES`` value in the environment."""
 
 
-def cuda_initialized() -> bool:
-    """Whether CUDA is initialized in this process (without importing torch to ask)."""
-    torch = sys.modules.get("torch")  # never import torch just to ask
-    return torch is not None and torch.cuda.is_initialized()
+def _check(value: str, from_environment: bool) -> str:
+    if not _SCALE.match(value):
+        if from_environment:
+            raise LaunchQueueError(f"{ENV}={value!r}: give a scale such as 4x (1x keeps the driver's default queues)")
+        raise LaunchQueueError(f"launch queue scale {value!r}: give a scale such as 4x")
+    return value
 
 
 def scale_launch_queues(default: Optional[str] = DEFAULT_SCALE) -> Optional[str]:
@@ -47,19 +48,4 @@ def scale_launch_queues(default: Optional[str] = DEFAULT_SCALE) -> Optional[str]
     driver has read its queues, so the call then changes nothing and warns. Processes started
     from this one (Lightning's launcher of the other ranks, a benchmark's loops) inherit it.
     """
-    value = os.environ.get(ENV)
-    if value is not None:
-        value = value.strip()
-        if not _SCALE.match(value):
-            raise LaunchQueueError(f"{ENV}={value!r}: give a scale such as 4x (1x keeps the driver's default queues)")
-        return value
-    if default is None:
-        return None
-    if not _SCALE.match(default):
-        raise LaunchQueueError(f"launch queue scale {default!r}: give a scale such as 4x")
-    if cuda_initialized():
-        warnings.warn(f"{ENV} not set: CUDA is already initialized in this process, so the launch queues "
-                      "keep the driver's default size")
-        return None
-    os.environ[ENV] = default
-    return default
+    return default_before_cuda(ENV, default, _check, "the launch queues keep the driver's default size")
