@@ -34,6 +34,8 @@ def command_env(threads: Optional[int] = 1) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
 # test node id -> main.py arguments, for the runs the session starts early
 RUNS: dict[str, list[str]] = {
     "test_quickstart.py::test_quickstart_config_end_to_end":
