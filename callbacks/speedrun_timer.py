@@ -23,6 +23,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from nanogpt_pl.capture import FrozenGC, gpu_memory_gib, schedule_key
 
@@ -133,8 +134,11 @@ class SpeedrunTimer(L.Callback):
             ``callbacks.compile_cache.CompileCache``, that callback's file) for the timed run that
             follows. ``python main.py fit ... --warmup_only true`` sets it.
 
-    On a GPU the warmup ends with one line: its steps and seconds, and the memory it left
-    (peak allocated, reserved, and reserved in CUDA graph pools), also kept as ``warmup_memory``.
+    The warmup prints one line a step (its seconds and the total so far); on a GPU it ends with
+    one more: its steps and seconds, and the memory it left (peak allocated, reserved, and
+    reserved in CUDA graph pools), also kept as ``warmup_memory``. SIGTERM (or a first Ctrl-C
+    under the CLI) stops it between two steps: the model and callbacks are put back as they
+    were, and the run ends as Lightning ends it at a step, before any step was trained.
     Before it, the CUDA graphs' ``cu_seqlens`` and the value-embedding leaf are sized from the
     run's whole batch plan (``reserve_shapes``), so a key has one shape whatever order the warmup
     visits it in.
@@ -193,18 +197,25 @@ class SpeedrunTimer(L.Callback):
         reserve_run_shapes(trainer, pl_module)
         snapshot = pl_module.capture_state()
         previous = 0
-        for step in steps:
+        for i, step in enumerate(steps):
+            if self._stop_requested(trainer):
+                self._restore(trainer, pl_module, snapshot)
+                rank_zero_info(f"speedrun warmup: stopped by a signal after {i} of {len(steps)} steps "
+                               f"({time.perf_counter() - start:.1f} s); the model is as it was before the warmup")
+                raise SIGTERMException()
+            t0 = time.perf_counter()
             batch = pl_module.prepare_batch(trainer.datamodule.batch_at(step), step)
             batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
             pl_module.apply_schedule(step, previous_step=previous)
             pl_module.run_step(batch)
             previous = step
-        self._sync(pl_module)
-        pl_module.restore_state(snapshot)
-        pl_module.apply_schedule(trainer.global_step)
-        for cb in self._stateful_callbacks(trainer):
-            cb.reset()
-        self._sync(pl_module)
+            self._sync(pl_module)
+            now = time.perf_counter()
+            # one line a step: a first visit compiles (with inductor's tuning, minutes), and a
+            # silent warmup cannot be told from a hung one
+            rank_zero_info(f"speedrun warmup: {i + 1}/{len(steps)}, step {step}, {now - t0:.1f} s "
+                           f"({now - start:.1f} s so far)")
+        self._restore(trainer, pl_module, snapshot)
         self.warmup_seconds = time.perf_counter() - start
         if pl_module.device.type == "cuda":
             self.warmup_memory = gpu_memory_gib(pl_module.device)
@@ -213,6 +224,22 @@ class SpeedrunTimer(L.Callback):
                            f"{m['peak_allocated']:.2f} GiB peak allocated, {m['reserved']:.2f} GiB reserved, "
                            f"{m['graph_pools']:.2f} GiB of it in CUDA graph pools")
         return steps
+
+    def _restore(self, trainer: L.Trainer, pl_module: L.LightningModule, snapshot: Any) -> None:
+        """Weights, buffers, optimizer state, the schedule and every stateful callback back to the start."""
+        self._sync(pl_module)
+        pl_module.restore_state(snapshot)
+        pl_module.apply_schedule(trainer.global_step)
+        for cb in self._stateful_callbacks(trainer):
+            cb.reset()
+        self._sync(pl_module)
+
+    @staticmethod
+    def _stop_requested(trainer: L.Trainer) -> bool:
+        """SIGTERM (or RunControl's first Ctrl-C) on any rank. The warmup runs inside
+        ``on_train_start``, where Lightning's loops do not look at the flag until the first step."""
+        flag = bool(getattr(trainer, "received_sigterm", False))
+        return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
 
     def _graph_counts(self, pl_module: L.LightningModule) -> Optional[dict]:
         counts = getattr(pl_module, "graph_counts", None)

@@ -76,6 +76,8 @@ class RunControl(L.Callback):
       multiples and at epoch ends): it is saved right after that step.
     - SIGTERM (Lightning's own handler) and the first SIGINT stop training after the current
       step; the step's checkpoint is saved as ``last.ckpt`` and the process exits with status 0.
+      Stopped before the first step (in the speedrun timer's warmup), the run saves nothing and
+      keeps no empty log folder.
       A second SIGINT interrupts at once.
     - The progress bar's total is the number of steps this fit will train, so it shows an ETA.
     - A run that fails before it logs anything removes its ``version_N`` folders.
@@ -110,6 +112,12 @@ class RunControl(L.Callback):
         self._restore_sigint()
         if isinstance(exception, SIGTERMException):
             self.stopped_by = self.stopped_by or "SIGTERM"
+            if trainer.global_step == 0:  # stopped before the first step (in the speedrun timer's warmup)
+                if trainer.global_rank == 0:
+                    print(f"stopped by {self.stopped_by} before the first step; no checkpoint (nothing was trained)",
+                          file=sys.stderr, flush=True)
+                remove_unused_log_dirs(trainer)
+                return
             self.saved = save_last(trainer)
             if trainer.global_rank == 0:
                 where = (f"checkpoint {self.saved[0]} (resume: --ckpt_path last)" if self.saved

@@ -198,6 +198,49 @@ def test_timer_warmup_resets_everything_and_excludes_validation(toy_files, tmp_p
     assert not timer.reached
 
 
+def test_sigterm_in_the_warmup_stops_it_between_steps_and_puts_the_model_back(toy_files, tmp_path, caplog):
+    """A real SIGTERM during the warmup (Lightning's handler sets the flag): the warmup stops before
+    its next step, the weights are the ones it started from, no step is trained, and the run ends as
+    Lightning ends it at a step (SIGTERMException)."""
+    import os
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    module, data = make_run(toy_files, tiny_schedule(12))
+    before = _Snapshot()
+    timer = SpeedrunTimer(warmup_steps=[0, 1, 5, 6, 11], target=0.0)
+    ran = []
+    run_step = module.run_step
+
+    def run_and_signal(batch):
+        out = run_step(batch)
+        ran.append(module.global_step)
+        if len(ran) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    module.run_step = run_and_signal
+    trained = LossRecorder()
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(caplog.handler)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            make_trainer(tmp_path, callbacks=[before, timer, trained]).fit(module, data)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        lightning_log.removeHandler(caplog.handler)
+    assert len(ran) == 2 and trained.losses == {}
+    for k, v in module.state_dict().items():
+        if torch.is_tensor(v) and k in before.params:
+            assert torch.equal(v, before.params[k]), k
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speedrun warmup")]
+    assert all(re.match(r"speedrun warmup: [12]/5, step [01], [0-9.]+ s \([0-9.]+ s so far\)$", line)
+               for line in lines[:2]), lines
+    assert len(lines) == 3 and lines[2].startswith("speedrun warmup: stopped by a signal after 2 of 5 steps"), lines
+
+
 def test_timer_ends_with_the_slowest_timed_steps(toy_files, tmp_path, caplog):
     """The end-of-training line names the median and the slowest timed steps; on CPU no step runs a
     CUDA graph, so none is reported as run eagerly on the clock."""

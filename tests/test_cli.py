@@ -333,6 +333,46 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
 TIMER = {"class_path": "callbacks.speedrun_timer.SpeedrunTimer", "init_args": {"target": 0.0}}
 
 
+def test_sigterm_in_the_speedrun_warmup_stops_the_run_with_nothing_saved(tmp_path, toy_files, toy_config):
+    """The timer's warmup runs inside ``on_train_start``, before any of Lightning's loops look at
+    SIGTERM: the warmup stops at its next step, the run exits 0 with one line, and leaves no
+    checkpoint of the warmup's weights and no empty log folder."""
+    import signal
+    import threading
+
+    timer = {"class_path": "callbacks.speedrun_timer.SpeedrunTimer",
+             "init_args": {"target": 0.0, "warmup_steps": list(range(300))}}
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT + [timer]})
+    data = yaml.safe_load(cfg.read_text())
+    data["schedule"]["stages"][0]["steps"] = 2000
+    data["data"]["epochs"] = 10
+    cfg.write_text(yaml.safe_dump(data))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
+                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = bytearray()
+    reader = threading.Thread(target=lambda: [out.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
+    reader.start()
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and b"speedrun warmup: 3/300," not in out and proc.poll() is None:
+            time.sleep(0.1)
+        assert b"speedrun warmup: 3/300," in out, bytes(out)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(30)
+    text = bytes(out).decode(errors="replace")
+    assert rc == 0 and "Traceback" not in text, text[-3000:]
+    stopped = re.search(r"speedrun warmup: stopped by a signal after (\d+) of 300 steps", text)
+    assert stopped and 3 <= int(stopped[1]) < 300, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last == "stopped by SIGTERM before the first step; no checkpoint (nothing was trained)", last
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("version_*")), list(tmp_path.rglob("*"))
+
+
+
 def test_warmup_only_runs_the_warmup_and_stops_before_the_first_step(tmp_path, toy_files, toy_config, run_cli):
     """``--warmup_only true``: the timer's warmup runs its steps, then the run ends at step 0 with no clock,
     no validation and no checkpoint (the machine's compile caches are what it leaves)."""
