@@ -51,11 +51,14 @@ of one call differed by several percent, so a single A/B of a few percent says l
 TREE``) runs in its own process, started in that tree with its own code and configs, in every round
 right after this tree's plain loop, and the report gives baseline / plain within every round.
 
-``--profile DIR`` profiles the plain loop's timed steps with the torch profiler: a Chrome
+``--profile DIR`` runs the plain loop's timed steps twice: unprofiled (its ms/step) and then as many
+again under the torch profiler, so the profiler's own host work (its buffer flushes stalled the host
+for 10-15 ms at a time on an H100) is not in the step time. It writes a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), every GPU kernel by its full name with
 its launches and time per step in ``DIR/<loop>-kernels.tsv`` (``benchmarks/kernel_sources.py`` joins it with
 the run's ``TORCH_LOGS=output_code`` log: what each inductor kernel fuses), the top operations on stderr,
-per step the GPU's busy time (the union of its kernels and copies) against the wall time, and the
+per step the GPU's busy time (the union of its kernels and copies, profiled) against the unprofiled
+and the profiled wall time (the table's "GPU busy" is of the unprofiled wall), and the
 GPU time by kernel kind (cuBLAS GEMMs, attention, inductor's fused kernels, the project's Triton
 kernels, unfused ATen elementwise kernels by operation, copies), and the host's side: per phase
 of the step (``step/data`` with ``data/next``, the wait for the loader's thread, ``data/prepare``
@@ -731,20 +734,19 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
     opt = module.configure_optimizers()
     module.use_plain_optimizer(opt)
     module.train()
-    module.reserve_shapes(data.plan_bounds(warmup + steps))  # as SpeedrunTimer does before its warmup
+    # with a profile, the timed steps run twice: unprofiled (the step time) and then profiled (the
+    # GPU's busy time); the profiler's own host work (its buffer flushes) is in the second wall only
+    total = warmup + (2 * steps if profile else steps)
+    module.reserve_shapes(data.plan_bounds(total))  # as SpeedrunTimer does before its warmup
     stream = data.train_dataloader()
     it = iter(stream)
     _reset_peak()
     clock = StreamClock()
     frozen = FrozenGC()
     prof = cprof = None
-    for step in range(warmup + steps):
+    seconds = profiled_seconds = None
+    for step in range(total):
         if step == warmup:
-            if profile:  # started before the clock: its start-up (tens of ms) is not a step's time
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                          torch.profiler.ProfilerActivity.CUDA], with_stack=stacks)
-                prof.__enter__()
-                _sync()  # the trace holds the timed steps only
             frozen.pause()  # as in training: no garbage collection while the clock runs (SpeedrunTimer)
             clock.start()
             before = module.graph_counts()
@@ -753,6 +755,15 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
 
                 cprof = cProfile.Profile()
                 cprof.enable()
+        if profile and step == warmup + steps:
+            seconds = clock.stop()
+            # started before its clock: the profiler's start-up (tens of ms) is not a step's time
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA], with_stack=stacks)
+            prof.__enter__()
+            _sync()  # the trace holds the profiled steps only
+            clock = StreamClock()
+            clock.start()
         with torch.profiler.record_function("step/data"):
             with torch.profiler.record_function("data/next"):  # waits for the loader's prefetch thread
                 batch = next(it)
@@ -763,7 +774,10 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
         with torch.profiler.record_function("step/schedule"):
             module.apply_schedule(step)
         module.run_step(batch)
-    seconds = clock.stop()
+    if profile:
+        profiled_seconds = clock.stop()
+    else:
+        seconds = clock.stop()
     frozen.resume()
     after = module.graph_counts()
     if cprof is not None:
@@ -785,10 +799,11 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
             events, host = profile_events(prof)
             busy = gpu_busy_seconds(events)
             window = 1e-6 * (max(b for _, _, b in events) - min(a for _, a, _ in events))
-            print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms of {1e3 * seconds / steps:.1f} ms wall "
-                  f"({100 * busy / seconds:.1f}% busy, {100 * (1 - busy / seconds):.1f}% idle); "
-                  f"{1e3 * window / steps:.1f} ms from the first kernel to the last "
-                  f"({100 * (1 - busy / window):.1f}% idle: the queue was drained before the clock, "
+            print(f"{tag}: per step, GPU busy {1e3 * busy / steps:.1f} ms (profiled) of {1e3 * seconds / steps:.1f} ms "
+                  f"unprofiled wall: {100 * (1 - busy / seconds):.1f}% idle; of the profiled steps' "
+                  f"{1e3 * profiled_seconds / steps:.1f} ms wall: {100 * (1 - busy / profiled_seconds):.1f}% idle "
+                  f"(the profiler's own host work included); {1e3 * window / steps:.1f} ms from the first kernel "
+                  f"to the last ({100 * (1 - busy / window):.1f}% idle: the queue was drained before the profile, "
                   f"so the first step's host work is in the wall time only)", file=sys.stderr)
             print_gpu_breakdown(events, steps, tag)
             table = out / f"{tag}-kernels.tsv"
@@ -828,7 +843,8 @@ def run_plain(args: list[str], warmup: int, steps: int, profile: Optional[str] =
                    f"{timed['adam_replays']} Adam updates replayed, {timed['adam_eager']} eager"
                    + (" (captures on the clock: raise --warmup)" if timed["eager"] or timed["keys"]
                       or timed["pull_eager"] or timed["refresh_eager"] or timed["adam_eager"] else ""))
-    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs}
+    return {"seconds": seconds, "peak": _peak(), "gpt": module.gpt_config, "busy": busy, "graphs": graphs,
+            "profiled_seconds": profiled_seconds}
 
 
 def main() -> None:
@@ -842,8 +858,8 @@ def main() -> None:
     ap.add_argument("--child", choices=["lightning", "plain", "plain-eager", "against"], default=None,
                     help=argparse.SUPPRESS)
     ap.add_argument("--profile", nargs="?", const="profiles", default=None, metavar="DIR",
-                    help="profile the plain loops' timed steps: Chrome traces in DIR (default ./profiles), "
-                         "top ops, GPU busy vs wall time per step")
+                    help="run the plain loops' timed steps again under the profiler: Chrome traces in DIR "
+                         "(default ./profiles), top ops, GPU busy vs the unprofiled and profiled wall per step")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the plain loop with model.cuda_graphs=false and print captured/eager")
     ap.add_argument("--stacks", action="store_true",
@@ -883,7 +899,7 @@ def main() -> None:
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
     corpus = embedded_corpus(a.config, a.corpus)
     train_glob = config_train_files(a.config)
-    total = a.warmup + a.steps
+    total = a.warmup + a.steps * (2 if a.profile else 1)  # a profile times the steps again, profiled
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set,
                             overlay=a.against if a.child == "against" else None)
 
@@ -895,6 +911,7 @@ def main() -> None:
             result = run_lightning(args, a.warmup, a.steps)
         print("RESULT " + json.dumps({"seconds": result["seconds"], "peak": result["peak"], "queues": queues,
                                       "busy": result.get("busy"), "graphs": result.get("graphs"),
+                                      "profiled_seconds": result.get("profiled_seconds"),
                                       "flops_tok": result["gpt"].flops_per_token(
                                           stage["seq_len"], stage["window_short"], stage["window_long"])}))
         return

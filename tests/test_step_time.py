@@ -448,3 +448,25 @@ def test_blocking_calls_are_named_by_their_project_callers():
 def test_stacks_without_a_profile_is_one_clear_error(capsys):
     status, _ = _run_main(["--stacks"], capsys)
     assert status == "step_time: --stacks names the callers in a profile: give --profile [DIR] too"
+
+
+def test_a_profiled_loop_times_its_steps_unprofiled_then_profiles_as_many_again(tmp_path):
+    """``--profile``: the loop's ms/step comes from its timed steps without the profiler (whose own host
+    work, buffer flushes of tens of ms, would be in the wall), and the trace holds a second run of as
+    many steps. On the CPU, in process: the trace's step phases count the profiled steps only."""
+    mod = _step_time()
+    narrow = ["model.gpt.num_layers=2", "model.gpt.long_window_layers=[1]", "model.gpt.value_embed_layers=[1]",
+              "model.gpt.skip_from=null", "model.gpt.skip_to=null", "model.gpt.model_dim=32", "model.gpt.head_dim=16",
+              "model.gpt.mlp_hidden=64"]
+    steps = 2
+    args, _ = mod._args_for(str(ROOT / "configs" / "quickstart.yaml"), 0, 1 + 2 * steps, True, narrow)
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = mod.run_plain(args, 1, steps, profile=str(tmp_path))
+    finally:
+        os.chdir(here)
+    assert result["seconds"] > 0 and result["profiled_seconds"] > 0
+    trace = json.loads((tmp_path / "plain-trace.json").read_text())
+    phases = [e for e in trace["traceEvents"] if e.get("name") == "step/schedule" and e.get("ph") == "X"]
+    assert len(phases) == steps
