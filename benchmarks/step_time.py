@@ -52,8 +52,9 @@ TREE``) runs in its own process, started in that tree with its own code and conf
 right after this tree's plain loop, and the report gives baseline / plain within every round.
 
 ``--profile DIR`` runs the plain loop's timed steps twice: unprofiled (its ms/step) and then as many
-again under the torch profiler, so the profiler's own host work (its buffer flushes stalled the host
-for 10-15 ms at a time on an H100) is not in the step time. It writes a Chrome
+again under the torch profiler, so the profiler's own host work is not in the step time (an H100's
+stage-0 profile held two of its "Buffer Flush" calls of about 98 ms, and two single gaps of 3-15 ms
+where the host fell behind the GPU; BENCHMARKS.md, session 17). It writes a Chrome
 trace per loop in DIR (open in chrome://tracing or Perfetto), every GPU kernel by its full name with
 its launches and time per step in ``DIR/<loop>-kernels.tsv`` (``benchmarks/kernel_sources.py`` joins it with
 the run's ``TORCH_LOGS=output_code`` log: what each inductor kernel fuses), the top operations on stderr,
