@@ -237,7 +237,12 @@ class SpeedrunTimer(L.Callback):
     @staticmethod
     def _stop_requested(trainer: L.Trainer) -> bool:
         """SIGTERM (or RunControl's first Ctrl-C) on any rank. The warmup runs inside
-        ``on_train_start``, where Lightning's loops do not look at the flag until the first step."""
+        ``on_train_start``, where Lightning's loops do not look at the flag until the first step.
+        Under ``SpeedrunStrategy`` every rank takes the decision at the same warmup step (its
+        ``stop_signal``); under another strategy it is this rank's flag, reduced as Lightning reduces."""
+        stop = getattr(trainer.strategy, "stop_signal", None)
+        if stop is not None:
+            return stop.agree()
         flag = bool(getattr(trainer, "received_sigterm", False))
         return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
 

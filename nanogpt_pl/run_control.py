@@ -93,13 +93,17 @@ class RunControl(L.Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         connector = trainer._signal_connector
+        stop = getattr(trainer.strategy, "stop_signal", None)  # SpeedrunStrategy's: every rank at one step
 
         def stop_after_this_step(signum, frame) -> None:
-            if connector.received_sigterm:  # second Ctrl-C: stop now
+            if (stop.requested if stop is not None else connector.received_sigterm):  # second Ctrl-C: stop now
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 raise KeyboardInterrupt
             self.stopped_by = "SIGINT"
-            connector.received_sigterm = True
+            if stop is not None:
+                stop.request()
+            else:
+                connector.received_sigterm = True
 
         self._previous_sigint = signal.signal(signal.SIGINT, stop_after_this_step)
 

@@ -290,7 +290,10 @@ def test_checkpoints_per_run_final_step_and_last_means_this_lineage(tmp_path, to
     assert [int(r["step"]) for r in rows if r.get("val/loss")] == [2, 5, 5]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_config, run_cli):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_config, run_cli, devices):
+    """SIGTERM to the main process mid-training: every rank stops at the same step (with two gloo ranks,
+    Lightning's own handling hung some runs: stop_signal.py), saves it, and the run resumes from it."""
     import signal
     import threading
 
@@ -299,8 +302,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
     data["schedule"]["stages"][0]["steps"] = 2000
     data["data"]["epochs"] = 10
     cfg.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
-                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg), "--trainer.devices",
+                             str(devices)], cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
     err = bytearray()  # the progress bar writes to stdout, the stop message to stderr: both here
     reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()
@@ -324,8 +328,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
     step = int(stopped.group(1))
     assert 3 <= step < 2000 and ckpt_step(tmp_path / stopped.group(2)) == step
     # the interrupted run resumes from it
-    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last", "--trainer.max_steps", str(step + 1)],
-                  tmp_path)
+    out = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last", "--trainer.max_steps", str(step + 1),
+                   "--trainer.devices", str(devices)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert ckpt_step(tmp_path / stopped.group(2)) == step + 1
 
@@ -333,7 +337,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_c
 TIMER = {"class_path": "callbacks.speedrun_timer.SpeedrunTimer", "init_args": {"target": 0.0}}
 
 
-def test_sigterm_in_the_speedrun_warmup_stops_the_run_with_nothing_saved(tmp_path, toy_files, toy_config):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_in_the_speedrun_warmup_stops_the_run_with_nothing_saved(tmp_path, toy_files, toy_config, devices):
     """The timer's warmup runs inside ``on_train_start``, before any of Lightning's loops look at
     SIGTERM: the warmup stops at its next step, the run exits 0 with one line, and leaves no
     checkpoint of the warmup's weights and no empty log folder."""
@@ -347,8 +352,9 @@ def test_sigterm_in_the_speedrun_warmup_stops_the_run_with_nothing_saved(tmp_pat
     data["schedule"]["stages"][0]["steps"] = 2000
     data["data"]["epochs"] = 10
     cfg.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg)], cwd=tmp_path,
-                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg), "--trainer.devices",
+                             str(devices)], cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
     out = bytearray()
     reader = threading.Thread(target=lambda: [out.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()

@@ -11,7 +11,8 @@ once at setup so every rank starts identical.
 
 Use it as ``trainer.strategy: speedrun`` (registered name) or by class path; with
 ``async_checkpoint: true`` a checkpoint save returns after a snapshot and the files are
-written in the background (``async_checkpoint.py``).
+written in the background (``async_checkpoint.py``). On SIGTERM every rank stops at the same
+step, agreed over a gloo group without a device sync (``stop_signal.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .side_files import (
     side_file_marker,
     tensor_bytes,
 )
+from .stop_signal import StopSignal, agreement_group
 
 # ModelCheckpoint's name for its last checkpoint (``last.ckpt``, ``last-v1.ckpt``).
 _LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
@@ -66,9 +68,17 @@ class SpeedrunStrategy(DDPStrategy):
         self.checkpoint_wait_s = checkpoint_wait_s
         self._writer: Optional[AsyncCheckpointWriter] = None
         self._snapshot_fence: Optional[torch.cuda.Event] = None
+        self._stop_group: Optional[dist.ProcessGroup] = None
+        self.stop_signal: Optional[StopSignal] = None
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        # SIGTERM: one decision for all ranks at a step's start, no collective in the signal
+        # handler and no device sync in the step (stop_signal.py)
+        if self._stop_group is None:
+            self._stop_group = agreement_group(self.world_size)
+        self.stop_signal = StopSignal(trainer, self._stop_group)
+        self.stop_signal.install()
         if self.async_checkpoint:
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and cb.save_last == "link":
