@@ -99,3 +99,23 @@ def test_install_replaces_lightnings_notifier_and_per_step_broadcast(tmp_path, t
     assert StopSignal.on_sigterm in seen["handlers"]
     assert seen["step_start"] == stop.at_step_start
 
+
+
+def test_without_a_gloo_group_sigterm_stays_with_lightning_and_says_so(monkeypatch, caplog):
+    """Several ranks whose gloo group cannot connect (a real failure needs a broken network; the
+    error is raised in its place): one warning, and Lightning's handlers are left as they are."""
+    from nanogpt_pl.distributed import stop_signal
+
+    def no_gloo(world_size):
+        raise RuntimeError("Gloo connectFullMesh failed")
+
+    monkeypatch.setattr(stop_signal, "agreement_group", no_gloo)
+    trainer = _trainer(0)
+    notifier = object()
+    trainer._signal_connector._sigterm_notifier_fn = notifier
+    with caplog.at_level("WARNING", logger=stop_signal.__name__):
+        assert stop_signal.install_stop_signal(trainer, 2) is None
+    assert trainer._signal_connector._sigterm_notifier_fn is notifier
+    assert [r.getMessage() for r in caplog.records] == [
+        "SpeedrunStrategy: no gloo group for the SIGTERM agreement (Gloo connectFullMesh failed); SIGTERM is left "
+        "to Lightning's own handling (set GLOO_SOCKET_IFNAME to the interface the ranks share)"]

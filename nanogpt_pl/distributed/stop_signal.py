@@ -21,6 +21,7 @@ every rank at once, by :meth:`StopSignal.agree`, so no rank stops a step before 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Optional
 
 import torch
@@ -59,7 +60,7 @@ class StopSignal:
     def on_sigterm(self, signum: Any, frame: Any) -> None:
         """Lightning's SIGTERM notifier without its collective: log, forward the signal to the
         processes the launcher started (once), set the flag."""
-        log.info(f"[rank: {self.trainer.global_rank}] Received SIGTERM: {signum}")
+        print(f"[rank: {self.trainer.global_rank}] Received SIGTERM: {signum}", file=sys.stderr, flush=True)
         if not self.requested:
             launcher = self.trainer.strategy.launcher
             if launcher is not None:
@@ -105,9 +106,26 @@ class StopSignal:
 
 def agreement_group(world_size: int) -> Optional[dist.ProcessGroup]:
     """The group :class:`StopSignal` reduces over: None with one process, the default group
-    where it is gloo, else a gloo group of all ranks (created collectively: every rank calls this)."""
+    where it is gloo, else a gloo group of all ranks (created collectively: every rank calls this).
+    Raises ``RuntimeError`` where gloo cannot connect the ranks."""
     if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo")
+
+
+def install_stop_signal(trainer: Any, world_size: int, group: Any = None) -> Optional[StopSignal]:
+    """A :class:`StopSignal` for ``trainer``, installed; ``group`` is one made before (the
+    agreement's group is made once per process). None, with a warning, where several ranks have
+    no gloo group: SIGTERM then stays with Lightning's handling."""
+    if group is None and world_size > 1:
+        try:
+            group = agreement_group(world_size)
+        except RuntimeError as err:
+            log.warning(f"SpeedrunStrategy: no gloo group for the SIGTERM agreement ({err}); SIGTERM is left to "
+                        "Lightning's own handling (set GLOO_SOCKET_IFNAME to the interface the ranks share)")
+            return None
+    stop = StopSignal(trainer, group)
+    stop.install()
+    return stop

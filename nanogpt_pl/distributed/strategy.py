@@ -39,7 +39,7 @@ from .side_files import (
     side_file_marker,
     tensor_bytes,
 )
-from .stop_signal import StopSignal, agreement_group
+from .stop_signal import StopSignal, install_stop_signal
 
 # ModelCheckpoint's name for its last checkpoint (``last.ckpt``, ``last-v1.ckpt``).
 _LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
@@ -75,10 +75,9 @@ class SpeedrunStrategy(DDPStrategy):
         super().setup(trainer)
         # SIGTERM: one decision for all ranks at a step's start, no collective in the signal
         # handler and no device sync in the step (stop_signal.py)
-        if self._stop_group is None:
-            self._stop_group = agreement_group(self.world_size)
-        self.stop_signal = StopSignal(trainer, self._stop_group)
-        self.stop_signal.install()
+        self.stop_signal = install_stop_signal(trainer, self.world_size, self._stop_group)
+        if self.stop_signal is not None:
+            self._stop_group = self.stop_signal.group
         if self.async_checkpoint:
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and cb.save_last == "link":
