@@ -4,7 +4,7 @@ Lightning (2.6) handles SIGTERM with two collectives. Its signal handler broadca
 it runs, which is wherever each rank's main thread happens to be, so the broadcast can pair with
 another rank's gradient collective: through ``main.py`` on two gloo ranks, a SIGTERM during
 training hung 4 of 6 runs (``tests/test_cli.py``), and one during the speedrun timer's warmup
-1 of 9. And at the start of every training step each rank broadcasts rank 0's flag as a device
+2 of 9. And at the start of every training step each rank broadcasts rank 0's flag as a device
 tensor and reads it back with ``.item()``: on GPUs a host sync per step, which empties the queue
 the captured step keeps two steps deep.
 
