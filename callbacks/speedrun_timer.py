@@ -136,9 +136,9 @@ class SpeedrunTimer(L.Callback):
 
     The warmup prints one line a step (its seconds and the total so far); on a GPU it ends with
     one more: its steps and seconds, and the memory it left (peak allocated, reserved, and
-    reserved in CUDA graph pools), also kept as ``warmup_memory``. SIGTERM (or a first Ctrl-C
-    under the CLI) stops it between two steps: the model and callbacks are put back as they
-    were, and the run ends as Lightning ends it at a step, before any step was trained.
+    reserved in CUDA graph pools), also kept as ``warmup_memory``. SIGTERM stops it between two
+    steps: the model and callbacks are put back as they were, and the run ends as Lightning ends
+    it at a step, before any step was trained (Ctrl-C interrupts it at once, as Lightning does).
     Before it, the CUDA graphs' ``cu_seqlens`` and the value-embedding leaf are sized from the
     run's whole batch plan (``reserve_shapes``), so a key has one shape whatever order the warmup
     visits it in.
@@ -236,7 +236,7 @@ class SpeedrunTimer(L.Callback):
 
     @staticmethod
     def _stop_requested(trainer: L.Trainer) -> bool:
-        """SIGTERM (or RunControl's first Ctrl-C) on any rank. The warmup runs inside
+        """SIGTERM on any rank. The warmup runs inside
         ``on_train_start``, where Lightning's loops do not look at the flag until the first step.
         Under ``SpeedrunStrategy`` every rank takes the decision at the same warmup step (its
         ``stop_signal``); under another strategy it is this rank's flag, reduced as Lightning reduces."""
