@@ -290,37 +290,43 @@ def test_checkpoints_per_run_final_step_and_last_means_this_lineage(tmp_path, to
     assert [int(r["step"]) for r in rows if r.get("val/loss")] == [2, 5, 5]
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_config, run_cli, devices):
-    """SIGTERM to the main process mid-training: every rank stops at the same step (with two gloo ranks,
-    Lightning's own handling hung some runs: stop_signal.py), saves it, and the run resumes from it."""
+def _sigterm_long_run(cfg: Path, cwd: Path, devices: int, ready: bytes) -> tuple[int, str]:
+    """``main.py fit`` with ``cfg``'s stage made 2,000 steps long, on ``devices`` ranks; SIGTERM to the
+    main process once its output (stdout and stderr together) matches ``ready``. (exit code, output)."""
     import signal
     import threading
 
-    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT, "trainer.enable_progress_bar": True})
     data = yaml.safe_load(cfg.read_text())
     data["schedule"]["stages"][0]["steps"] = 2000
     data["data"]["epochs"] = 10
     cfg.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg), "--trainer.devices",
-                             str(devices)], cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE,
+                             str(devices)], cwd=cwd, env=command_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    err = bytearray()  # the progress bar writes to stdout, the stop message to stderr: both here
-    reader = threading.Thread(target=lambda: [err.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
+    out = bytearray()
+    reader = threading.Thread(target=lambda: [out.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
     reader.start()
     try:
         deadline = time.time() + 300
-        # the progress bar knows the run's total (2000 steps): wait for the third step
-        while time.time() < deadline and not re.search(rb" [3-9]/2000 \[", bytes(err)) and proc.poll() is None:
-            time.sleep(0.2)
-        assert re.search(rb" [3-9]/2000 \[", bytes(err)), bytes(err)[-3000:]
+        while time.time() < deadline and not re.search(ready, bytes(out)) and proc.poll() is None:
+            time.sleep(0.1)
+        assert re.search(ready, bytes(out)), bytes(out)[-3000:]
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
         reader.join(30)
-    text = bytes(err).decode(errors="replace")
+    return rc, bytes(out).decode(errors="replace")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, toy_files, toy_config, run_cli, devices):
+    """SIGTERM to the main process mid-training: every rank stops at the same step (with two gloo ranks,
+    Lightning's own handling hung some runs: stop_signal.py), saves it, and the run resumes from it."""
+    cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT, "trainer.enable_progress_bar": True})
+    # the progress bar knows the run's total (2000 steps): the signal comes after the third step
+    rc, text = _sigterm_long_run(cfg, tmp_path, devices, rb" [3-9]/2000 \[")
     assert rc == 0, text[-3000:]
     assert "Traceback" not in text
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+last\.ckpt)", text)
@@ -342,34 +348,10 @@ def test_sigterm_in_the_speedrun_warmup_stops_the_run_with_nothing_saved(tmp_pat
     """The timer's warmup runs inside ``on_train_start``, before any of Lightning's loops look at
     SIGTERM: the warmup stops at its next step, the run exits 0 with one line, and leaves no
     checkpoint of the warmup's weights and no empty log folder."""
-    import signal
-    import threading
-
     timer = {"class_path": "callbacks.speedrun_timer.SpeedrunTimer",
              "init_args": {"target": 0.0, "warmup_steps": list(range(300))}}
     cfg = toy_config(tmp_path, toy_files, **{"trainer.callbacks": RUN_CHECKPOINT + [timer]})
-    data = yaml.safe_load(cfg.read_text())
-    data["schedule"]["stages"][0]["steps"] = 2000
-    data["data"]["epochs"] = 10
-    cfg.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "fit", "--config", str(cfg), "--trainer.devices",
-                             str(devices)], cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    out = bytearray()
-    reader = threading.Thread(target=lambda: [out.extend(c) for c in iter(lambda: proc.stdout.read1(4096), b"")])
-    reader.start()
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and b"speedrun warmup: 3/300," not in out and proc.poll() is None:
-            time.sleep(0.1)
-        assert b"speedrun warmup: 3/300," in out, bytes(out)[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join(30)
-    text = bytes(out).decode(errors="replace")
+    rc, text = _sigterm_long_run(cfg, tmp_path, devices, rb"speedrun warmup: 3/300,")
     assert rc == 0 and "Traceback" not in text, text[-3000:]
     stopped = re.search(r"speedrun warmup: stopped by a signal after (\d+) of 300 steps", text)
     assert stopped and 3 <= int(stopped[1]) < 300, text[-3000:]
