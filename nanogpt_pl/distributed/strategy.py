@@ -68,16 +68,15 @@ class SpeedrunStrategy(DDPStrategy):
         self.checkpoint_wait_s = checkpoint_wait_s
         self._writer: Optional[AsyncCheckpointWriter] = None
         self._snapshot_fence: Optional[torch.cuda.Event] = None
-        self._stop_group: Optional[dist.ProcessGroup] = None
         self.stop_signal: Optional[StopSignal] = None
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         # SIGTERM: one decision for all ranks at a step's start, no collective in the signal
         # handler and no device sync in the step (stop_signal.py)
-        self.stop_signal = install_stop_signal(trainer, self.world_size, self._stop_group)
-        if self.stop_signal is not None:
-            self._stop_group = self.stop_signal.group
+        # (the agreement's gloo group is made once, at the first setup)
+        group = self.stop_signal.group if self.stop_signal is not None else None
+        self.stop_signal = install_stop_signal(trainer, self.world_size, group)
         if self.async_checkpoint:
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, ModelCheckpoint) and cb.save_last == "link":
