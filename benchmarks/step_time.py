@@ -309,6 +309,47 @@ def _args_for(config: str, stage: int, steps: int, corpus: bool, overrides: list
     return args + data_and_override_args(corpus, overrides), st
 
 
+DEFAULT_WARMUP = 5
+
+
+def fp8_bootstrap_steps(config: str, overrides: list[str]) -> Optional[tuple[int, int]]:
+    """With the FP8 MLP, ``(first, done)``: the first step of lagged weight scales and the first
+    step by which every refresh graph of that phase is captured; None without it.
+
+    The MLP's weight scales are exact for its first ``EXACT_WEIGHT_REFRESHES`` (16) refreshes and
+    lagged after (RECORD §7), a refresh a step (step 0's forward builds the first caches). The refresh
+    graphs are keyed on that phase and on whether the Adam groups stepped, every ``adam_every`` steps
+    (RECORD §8: 2), so the lagged phase's keys are met at steps 16 and 17 and captured on their
+    second visits: replays from step 16 + 2 * adam_every. Timed steps in between hold eager refreshes
+    and captures that a run meets once."""
+    from nanogpt_pl.ops.fp8.formats import EXACT_WEIGHT_REFRESHES
+
+    cfg = load_config(config)
+    fp8_mlp = ((cfg.get("model") or {}).get("gpt") or {}).get("fp8_mlp", False)
+    adam_every = (cfg.get("schedule") or {}).get("adam_every", 2)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if key == "model.gpt.fp8_mlp":
+            fp8_mlp = value.strip().lower() in ("true", "1", "yes")
+        elif key == "schedule.adam_every":
+            adam_every = int(value)
+    return (EXACT_WEIGHT_REFRESHES, EXACT_WEIGHT_REFRESHES + 2 * adam_every) if fp8_mlp else None
+
+
+def resolve_warmup(warmup: Optional[int], timed: int, bootstrap: Optional[tuple[int, int]]
+                   ) -> tuple[int, Optional[str]]:
+    """``--warmup`` as given, or its default (past the FP8 bootstrap where there is one), and a
+    note where a given warmup puts the bootstrap's end among the ``timed`` steps."""
+    if warmup is None:
+        return (bootstrap[1] if bootstrap else DEFAULT_WARMUP), None
+    if bootstrap and warmup < bootstrap[1] and warmup + timed > bootstrap[0]:
+        return warmup, (f"step_time: --warmup {warmup}: the FP8 MLP's exact-scale bootstrap ends at step "
+                        f"{bootstrap[0]}, inside the timed steps (with CUDA graphs, the refresh graphs after it are "
+                        f"captured on the clock); give --warmup {bootstrap[1]} or more (or leave it out) to time "
+                        "the lagged-scale steps a run spends most of its time in")
+    return warmup, None
+
+
 def config_train_files(config: str) -> Optional[str]:
     """The config's ``data.train_files`` glob (None when it sets none)."""
     return (load_config(config).get("data") or {}).get("train_files")
@@ -853,7 +894,9 @@ def main() -> None:
     ap.add_argument("--config", default="configs/speedrun_1gpu.yaml")
     ap.add_argument("--stage", type=int, default=0, help="index of the schedule stage whose shapes to time")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help=f"untimed steps first (default {DEFAULT_WARMUP}, or with the FP8 MLP past its exact-scale "
+                         "bootstrap and the refresh graphs captured after it: 20 at the record's settings)")
     ap.add_argument("--corpus", choices=["auto", "quickstart", "config"], default="auto")
     ap.add_argument("--only", choices=["both", "lightning", "plain"], default="both")
     ap.add_argument("--child", choices=["lightning", "plain", "plain-eager", "against"], default=None,
@@ -898,6 +941,9 @@ def main() -> None:
         sys.exit(baseline_error(a.baseline))
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
+    a.warmup, note = resolve_warmup(a.warmup, a.steps * (2 if a.profile else 1), fp8_bootstrap_steps(a.config, a.set))
+    if note and not a.child:
+        print(note, flush=True)
     corpus = embedded_corpus(a.config, a.corpus)
     train_glob = config_train_files(a.config)
     total = a.warmup + a.steps * (2 if a.profile else 1)  # a profile times the steps again, profiled
@@ -928,7 +974,8 @@ def main() -> None:
     modes += [f"variant {name}" for name, _ in variants]
     for rnd in range(a.rounds):
         for mode in modes:
-            cmd = child_command(sys.argv[1:], mode, variants, a.baseline)
+            # the warmup as resolved here: a baseline tree's script may default to another
+            cmd = child_command([*sys.argv[1:], "--warmup", str(a.warmup)], mode, variants, a.baseline)
             proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(mode, variants),
                                   cwd=a.baseline if mode == "baseline" else None)
             if (a.profile or a.cprofile) and mode != "lightning":

@@ -470,3 +470,44 @@ def test_a_profiled_loop_times_its_steps_unprofiled_then_profiles_as_many_again(
     trace = json.loads((tmp_path / "plain-trace.json").read_text())
     phases = [e for e in trace["traceEvents"] if e.get("name") == "step/schedule" and e.get("ph") == "X"]
     assert len(phases) == steps
+
+
+def test_the_default_warmup_passes_the_fp8_mlp_bootstrap():
+    """With the FP8 MLP, ``--warmup`` defaults past its exact-scale bootstrap (RECORD §7: exact
+    weight scales for the first 16 refreshes) and the two refresh keys after it (the Adam groups
+    step every 2nd step, RECORD §8), each captured on its second visit: 16 + 2 * 2 = 20."""
+    mod = _step_time()
+    speedrun, quickstart = str(ROOT / "configs" / "speedrun_1gpu.yaml"), str(ROOT / "configs" / "quickstart.yaml")
+    assert mod.fp8_bootstrap_steps(speedrun, []) == (16, 20)
+    assert mod.fp8_bootstrap_steps(speedrun, ["schedule.adam_every=3"]) == (16, 22)
+    assert mod.fp8_bootstrap_steps(speedrun, ["model.gpt.fp8_mlp=false"]) is None
+    assert mod.fp8_bootstrap_steps(quickstart, []) is None
+    assert mod.resolve_warmup(None, 6, (16, 20)) == (20, None)
+    assert mod.resolve_warmup(None, 6, None) == (5, None)
+    # a given warmup stands; a note where the bootstrap's end falls among the timed steps
+    warmup, note = mod.resolve_warmup(6, 12, (16, 20))  # --warmup 6 --steps 6 --profile: steps 6-17
+    assert warmup == 6 and note.startswith("step_time: --warmup 6: the FP8 MLP's exact-scale bootstrap ends at step "
+                                           "16") and "give --warmup 20 or more" in note
+    assert mod.resolve_warmup(6, 10, (16, 20)) == (6, None)  # steps 6-15: all exact
+    assert mod.resolve_warmup(19, 6, (16, 20))[1] is not None  # step 19's refresh graph is captured on the clock
+    assert mod.resolve_warmup(20, 6, (16, 20)) == (20, None)
+    assert mod.resolve_warmup(3, 4, None) == (3, None)
+
+
+def test_the_fp8_mlps_scales_turn_lagged_at_the_bootstrap_step():
+    """The step ``fp8_bootstrap_steps`` names is the MLP's own: a step a refresh (step 0's forward
+    builds the first caches), the lagged-scale variant from step 16 on (reference backend, CPU)."""
+    from nanogpt_pl.model.mlp import MLP
+
+    torch.manual_seed(1234)
+    mlp = MLP(32, 64, fp8=True, fp8_backend="reference").train()
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    exact = []
+    for _ in range(20):
+        exact.append(mlp.fp8_state.refresh_variant() == (True,))
+        mlp(x).float().sum().backward()
+        with torch.no_grad():  # an optimizer step: the weights change, so the next forward refreshes
+            for p in mlp.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+    first, _ = _step_time().fp8_bootstrap_steps(str(ROOT / "configs" / "speedrun_1gpu.yaml"), [])
+    assert exact == [True] * first + [False] * (20 - first)
