@@ -216,9 +216,10 @@ def main() -> None:
                   f"{t.median_ms:>10.3f} {tf.median_ms:>7.3f} {total_flop / t.median_ms / 1e9:>8.0f} {ratio}")
             if backend == "triton":
                 summary.append((name, window, t.median_ms, flex_ms))
-        if "flex" in outs and "triton" in outs:
-            diff = (outs["flex"] - outs["triton"]).abs().max().item()
-            print(f"max |triton - flex| of the output: {diff:.2e}")
+        for backend in outs:  # every backend's output against flex, the reference of the tests
+            if backend != "flex" and "flex" in outs:
+                diff = (outs["flex"] - outs[backend]).abs().max().item()
+                print(f"max |{backend} - flex| of the output: {diff:.2e}")
         if args.sweep:
             sweep(q, k, v, g, cu, max_seqlen, window, d_qk, d_v, warmup, iters, args.sweep_kernels.split(","),
                   args.no_graph)
