@@ -131,3 +131,32 @@ def test_gpu_matches_the_triton_kernel_at_stage_2(backend):
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         err = (a.float() - b.float()).abs().max().item()
         assert err <= 8 * 2**-8 * b.float().abs().max().item(), f"{backend} {name}, seed {seed}: {err:.3e}"
+
+
+def test_a_compiled_model_calls_fa4_outside_its_graph_and_fa3_inside(stand_ins, monkeypatch):
+    """FA4 (CuTe DSL, no torch op) runs across a graph break under ``torch.compile``; FA3 (torch
+    ops) is traced. Both give the function of the other kernels, gradients included."""
+    seen = {}
+    for name, module in (("fa3", "flash_attn_interface"), ("fa4", "flash_attn.cute")):
+        def traced_varlen(*a, name=name, **kw):
+            seen[name] = torch.compiler.is_compiling()
+            return torch.zeros(a[0].shape[0], a[0].shape[1], a[2].shape[-1], dtype=a[0].dtype) + a[2].mean(0)
+        monkeypatch.setattr(sys.modules[module], "flash_attn_varlen_func", traced_varlen)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, h, d = 24, 2, 8
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    for backend in ("fa3", "fa4"):
+        attention._flash_fns.clear()
+        torch._dynamo.reset()
+        def model(a, b, c, backend=backend):
+            return packed_attention(a, b, c, cu, 14, 5, 0.3, backend) * 2
+
+        compiled = torch.compile(model, backend="eager")
+        leaf = v.clone().requires_grad_()
+        out = compiled(q, k, leaf)
+        out.sum().backward()
+        torch.testing.assert_close(out, 2 * v.mean(0).expand(n, h, d), msg=f"{backend}, seed {seed}")
+        torch.testing.assert_close(leaf.grad, torch.full_like(v, 2.0), msg=f"{backend}, seed {seed}")
+    assert seen == {"fa3": True, "fa4": False}

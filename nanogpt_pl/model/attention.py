@@ -184,9 +184,24 @@ def attention_flash(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seq
     raises its own error there.
     """
     cu = cu_seqlens.to(torch.int32)
-    out = _flash_fn(backend)(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
-                             max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size=(window, 0))
+    call = _flash_call_eager if backend in EAGER_FLASH else _flash_call
+    return call(_flash_fn(backend), q, k, v, cu, max_seqlen, window, scale)
+
+
+# FA3's interface wraps registered torch ops, which torch.compile traces. FA4's is Python over the CuTe
+# DSL and its own FFI (JIT compiles, caches, no torch op), so a compiled model calls it across a
+# graph break, as an eager autograd call between two compiled graphs, rather than tracing into it.
+EAGER_FLASH = ("fa4",)
+
+
+def _flash_call(fn, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, window: int,
+                scale: float) -> Tensor:
+    out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+             softmax_scale=scale, causal=True, window_size=(window, 0))
     return out[0] if isinstance(out, tuple) else out  # some versions return (out, log-sum-exp)
+
+
+_flash_call_eager = torch.compiler.disable(_flash_call)
 
 
 _flex_compiled = None
