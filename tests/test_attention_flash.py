@@ -57,6 +57,7 @@ def documented_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 def fresh_lookup(monkeypatch):
     """Each test looks the libraries up again (the model looks each up once)."""
     monkeypatch.setattr(attention, "_flash_fns", {})
+    monkeypatch.setattr(attention, "_flash_errors", {})
 
 
 @pytest.fixture
@@ -98,7 +99,8 @@ def test_choice_and_errors_are_one_line(monkeypatch):
             monkeypatch.setitem(sys.modules, "flash_attn", None)
         assert _flash_fn(backend) is None
         with pytest.raises(RuntimeError, match=rf"^model\.backends\.attention='{backend}' needs FlashAttention "
-                                               rf".*`import {module}` failed; install it, or use 'triton' or 'auto'"):
+                                               rf".*`import {module}` failed \(ModuleNotFoundError: .*\); install "
+                                               rf"it, or use 'triton' or 'auto'$"):
             resolve_backend(backend, torch.device("cuda"))
 
 
@@ -160,3 +162,24 @@ def test_a_compiled_model_calls_fa4_outside_its_graph_and_fa3_inside(stand_ins, 
         torch.testing.assert_close(out, 2 * v.mean(0).expand(n, h, d), msg=f"{backend}, seed {seed}")
         torch.testing.assert_close(leaf.grad, torch.full_like(v, 2.0), msg=f"{backend}, seed {seed}")
     assert seen == {"fa3": True, "fa4": False}
+
+
+def test_a_library_whose_import_raises_is_unavailable_with_its_reason(monkeypatch, tmp_path):
+    """FA4's CuTe DSL raises RuntimeError at import where no toolkit flavour suits the driver: the
+    backend is then unavailable (``benchmarks/attention.py`` goes on without its row) and choosing
+    it is one line that carries the library's own first line."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "cute.py").write_text('raise RuntimeError("None of the installed toolkit flavors (cu13) are '
+                                     'compatible with the CUDA driver\\nsecond line")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert _flash_fn("fa4") is None
+    with pytest.raises(RuntimeError) as err:
+        resolve_backend("fa4", torch.device("cuda"))
+    assert str(err.value) == (
+        "model.backends.attention='fa4' needs FlashAttention 4 (flash-attn's CuTe interface, package fa4): "
+        "`import flash_attn.cute` failed (RuntimeError: None of the installed toolkit flavors (cu13) are compatible "
+        "with the CUDA driver); install it, or use 'triton' or 'auto'")

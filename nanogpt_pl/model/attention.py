@@ -72,17 +72,24 @@ def _varlen_fn():
 
 
 _flash_fns: dict[str, Any] = {}  # backend -> its varlen function or None, looked up once (outside any compile)
+_flash_errors: dict[str, str] = {}  # backend -> why its import failed, for the one-line error
 
 
 def _flash_fn(backend: str):
-    """``flash_attn_varlen_func`` of FlashAttention 3 or 4, or None where it does not import."""
+    """``flash_attn_varlen_func`` of FlashAttention 3 or 4, or None where it does not import.
+
+    Any exception of the import counts as "does not import", not only ImportError: a build whose
+    CUDA libraries do not load raises OSError, and FA4's CuTe DSL a RuntimeError where none of its
+    toolkit flavours suits the driver. Its first line is kept for :func:`resolve_backend`'s error."""
     if backend not in _flash_fns:
         import importlib
 
         try:
             _flash_fns[backend] = importlib.import_module(FLASH_MODULES[backend][0]).flash_attn_varlen_func
-        except (ImportError, AttributeError, OSError):  # OSError: a build whose CUDA libraries do not load
+        except Exception as exc:  # noqa: BLE001 - whatever stops the import, the backend is unavailable
             _flash_fns[backend] = None
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            _flash_errors[backend] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return _flash_fns[backend]
 
 
@@ -121,9 +128,10 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
         )
     if backend in FLASH_MODULES and _flash_fn(backend) is None:
         module, package = FLASH_MODULES[backend]
+        why = _flash_errors.get(backend)
         raise RuntimeError(
-            f"model.backends.attention={backend!r} needs {package}: `import {module}` failed; install it, "
-            f"or use 'triton' or 'auto'"
+            f"model.backends.attention={backend!r} needs {package}: `import {module}` failed"
+            f"{f' ({why})' if why else ''}; install it, or use 'triton' or 'auto'"
         )
     if backend == "varlen":
         if _varlen_fn() is None:
