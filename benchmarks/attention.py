@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_timing import time_replayed  # noqa: E402
 from nanogpt_pl.model.attention import (  # noqa: E402
     FLASH_MODULES,
-    _flash_errors,
     _flash_fn,
     attention_flash,
     attention_varlen,
+    flash_import_failure,
     segment_ids,
 )
 
@@ -150,10 +150,9 @@ def main() -> None:
     print(f"packed attention forward+backward: {n} tokens, bf16, scale {SCALE}")
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}; "
           f"median of {iters} after {warmup} warmup")
-    for flash, (module, package) in FLASH_MODULES.items():  # a missing row says why
+    for flash, (_, package) in FLASH_MODULES.items():  # a missing row says why
         if _flash_fn(flash) is None:
-            why = _flash_errors.get(flash)
-            print(f"{flash}: no rows, `import {module}` failed" + (f" ({why})" if why else "") + f" ({package})")
+            print(f"{flash}: no rows, {package}: {flash_import_failure(flash)}")
     hdr = (f"{'case':<14} {'d_qk':>4} {'d_v':>4} {'window':>6} {'N':>6} {'H':>2} {'backend':<8} "
            f"{'fwd+bwd ms':>10} {'fwd ms':>7} {'TFLOP/s':>8} {'vs flex':>8}")
     summary = []

@@ -941,12 +941,13 @@ def main() -> None:
         sys.exit(baseline_error(a.baseline))
     if not torch.cuda.is_available():
         print("no CUDA GPU: running on the CPU (for checking the script; the figures mean little)")
-    a.warmup, note = resolve_warmup(a.warmup, a.steps * (2 if a.profile else 1), fp8_bootstrap_steps(a.config, a.set))
+    timed = a.steps * (2 if a.profile else 1)  # a profile times the steps again, profiled
+    a.warmup, note = resolve_warmup(a.warmup, timed, fp8_bootstrap_steps(a.config, a.set))
     if note and not a.child:
         print(note, flush=True)
     corpus = embedded_corpus(a.config, a.corpus)
     train_glob = config_train_files(a.config)
-    total = a.warmup + a.steps * (2 if a.profile else 1)  # a profile times the steps again, profiled
+    total = a.warmup + timed
     args, stage = _args_for(a.config, a.stage, total, corpus, a.set,
                             overlay=a.against if a.child == "against" else None)
 

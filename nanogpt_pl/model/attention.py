@@ -93,6 +93,12 @@ def _flash_fn(backend: str):
     return _flash_fns[backend]
 
 
+def flash_import_failure(backend: str) -> str:
+    """What :func:`_flash_fn` met for ``backend``: "`import MODULE` failed (the exception's first line)"."""
+    why = _flash_errors.get(backend)
+    return f"`import {FLASH_MODULES[backend][0]}` failed" + (f" ({why})" if why else "")
+
+
 # ``auto`` on CUDA is our Triton kernel for every layer kind. In ``benchmarks/attention.py`` alone
 # (one layer, fwd + bwd, 49,152 tokens) torch's varlen kernel tied or led for (64, 64) heads, but in
 # the stage-2 training step on an H100 the two (64, 64) layers on triton made the whole step 1.043x
@@ -127,11 +133,9 @@ def resolve_backend(backend: str, device: torch.device, same_head_dims: bool = T
             f"use 'reference' or 'auto' on CPU"
         )
     if backend in FLASH_MODULES and _flash_fn(backend) is None:
-        module, package = FLASH_MODULES[backend]
-        why = _flash_errors.get(backend)
         raise RuntimeError(
-            f"model.backends.attention={backend!r} needs {package}: `import {module}` failed"
-            f"{f' ({why})' if why else ''}; install it, or use 'triton' or 'auto'"
+            f"model.backends.attention={backend!r} needs {FLASH_MODULES[backend][1]}: "
+            f"{flash_import_failure(backend)}; install it, or use 'triton' or 'auto'"
         )
     if backend == "varlen":
         if _varlen_fn() is None:
