@@ -137,7 +137,8 @@ def test_gpu_matches_the_triton_kernel_at_stage_2(backend):
 
 def test_a_compiled_model_calls_fa4_outside_its_graph_and_fa3_inside(stand_ins, monkeypatch):
     """FA4 (CuTe DSL, no torch op) runs across a graph break under ``torch.compile``; FA3 (torch
-    ops) is traced. Both give the function of the other kernels, gradients included."""
+    ops) is traced. Through the compiled function both return the stand-in's output, and its gradient
+    reaches the leaf."""
     seen = {}
     for name, module in (("fa3", "flash_attn_interface"), ("fa4", "flash_attn.cute")):
         def traced_varlen(*a, name=name, **kw):
